@@ -1,0 +1,39 @@
+"""Bits per byte: total negative log-likelihood of a text in nats / (ln 2 x its UTF-8 bytes).
+
+Every byte of the held-out stream is scored. The stream is cut into consecutive windows of
+`seq_len`; each byte is predicted from the bytes before it in its window (so early bytes of a
+window see less context, the same for every model compared). Document separators are inputs,
+never scored targets: they are not bytes of the text.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from training.model import BOS
+
+
+@torch.no_grad()
+def bits_per_byte(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, batch_size: int = 32) -> dict:
+    model.eval()
+    stream = stream.long()
+    n_targets = len(stream) - 1
+    starts = list(range(0, n_targets, seq_len))
+    nll, scored = 0.0, 0
+    full = [s for s in starts if s + seq_len <= n_targets]
+    tail = [s for s in starts if s + seq_len > n_targets]
+    for group, length in ((full, seq_len), (tail, n_targets - tail[0] if tail else 0)):
+        for i in range(0, len(group), batch_size):
+            chunk = torch.tensor(group[i:i + batch_size])
+            offsets = torch.arange(length + 1)
+            windows = stream[chunk[:, None] + offsets]
+            logits = model(windows[:, :-1])
+            targets = windows[:, 1:]
+            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+            counted = targets.reshape(-1) != BOS
+            nll += losses[counted].double().sum().item()
+            scored += int(counted.sum())
+    return {"bpb": nll / (math.log(2) * scored), "nll_nats": nll, "bytes": scored}

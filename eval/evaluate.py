@@ -1,0 +1,29 @@
+"""Score the run's consolidated model and the standard baseline on every held-out evaluation."""
+
+from __future__ import annotations
+
+from infra import layout
+from infra.spec import RunSpec
+from eval.bpb import bits_per_byte
+from training.data import read_stream
+from training.learner import build_model, load_flat_parameters
+
+
+def load_model(spec: RunSpec, store, key: str):
+    tensors, meta, _ = store.read_committed(key)
+    model = build_model(spec)
+    load_flat_parameters(model, tensors["weights"])
+    return model, meta
+
+
+def evaluate(spec: RunSpec, store) -> dict:
+    """{eval name: {"islands": bpb result, "baseline": bpb result}} over every held-out byte."""
+    manifest = store.get_json(layout.DATA_MANIFEST)
+    models = {"islands": load_model(spec, store, layout.CONSOLIDATED)[0],
+              "baseline": load_model(spec, store, layout.BASELINE)[0]}
+    results = {}
+    for name, entry in manifest["heldout"].items():
+        stream = read_stream(store, entry)
+        results[name] = {arm: bits_per_byte(model, stream, spec.max_seq_len, spec.eval.batch_size)
+                         for arm, model in models.items()}
+    return results

