@@ -239,7 +239,7 @@ class Learner:
 
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
-        summary = {"learner": self.slot.index, "island": self.slot.island.name,
+        summary = {"learner": self.slot.index, "island": self.slot.island.name, "processes": self.world,
                    "tokens": self.slot.tokens_per_round() * self.spec.sync.rounds,
                    "bytes_written": self.traffic.written, "bytes_read_intra": self.traffic.read_intra,
                    "bytes_read_inter": self.traffic.read_inter, "checkpoint_bytes": self.traffic.checkpoint,

@@ -1,0 +1,26 @@
+# `make demo` and `make test` set everything up from nothing; `make setup` is what they share.
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+export PREFECT_SERVER_ANALYTICS_ENABLED := false
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $@
+
+demo: setup
+	$(BIN)/archipelago run configs/demo.yaml --report reports/demo.json
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python bench/inner_loop.py
+
+clean:
+	rm -rf $(VENV) .archipelago reports *.egg-info

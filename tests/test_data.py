@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from training.data import Document, encode, shard_documents, split_documents, text_bytes
+from training.model import BOS
+
+
+def docs(n):
+    return [Document(f"doc-{i}", "x" * (100 + 37 * i)) for i in range(n)]
+
+
+def test_split_is_by_whole_document_and_capped():
+    corpus = docs(50)
+    train, held = split_documents(corpus, eval_fraction=0.2, max_eval_bytes=5000, seed=3)
+    assert {d.id for d in train}.isdisjoint({d.id for d in held})
+    assert {d.id for d in train} | {d.id for d in held} == {d.id for d in corpus}
+    assert 0 < sum(d.nbytes for d in held) <= 5000 and len(held) > 1
+    assert split_documents(corpus, 0.2, 5000, seed=3) == (train, held)
+
+
+@pytest.mark.parametrize("shares", [[1, 1, 1, 1], [1, 2, 1], [3, 1]])
+def test_shards_are_disjoint_cover_the_split_and_follow_shares(shares):
+    corpus = docs(60)
+    shards = shard_documents(corpus, shares)
+    ids = [d.id for shard in shards for d in shard]
+    assert len(ids) == len(set(ids)) and set(ids) == {d.id for d in corpus}
+    total = sum(d.nbytes for d in corpus)
+    largest = max(d.nbytes for d in corpus)
+    for shard, share in zip(shards, shares):
+        assert abs(sum(d.nbytes for d in shard) - total * share / sum(shares)) <= largest
+
+
+def test_more_learners_than_documents_is_refused():
+    with pytest.raises(ValueError, match="learners but only"):
+        shard_documents(docs(2), [1, 1, 1])
+
+
+def test_encoding_counts_text_bytes_only():
+    stream = encode([Document("a", "héllo"), Document("b", "ok")])
+    assert stream[0] == BOS and int((stream == BOS).sum()) == 2
+    assert text_bytes(stream) == len("héllo".encode()) + 2
+    assert bytes(stream[stream != BOS].to(torch.uint8).tolist()) == "héllo".encode() + b"ok"

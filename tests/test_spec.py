@@ -1,0 +1,44 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.spec import SpecError, load_spec, parse_spec
+
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+
+
+def demo_raw():
+    return yaml.safe_load(DEMO.read_text())
+
+
+def test_demo_config_is_valid_and_heterogeneous():
+    spec = load_spec(DEMO)
+    assert len(spec.islands) >= 2 and len(spec.learners) >= 4
+    assert len({i.batch_size for i in spec.islands}) > 1 and len({i.inner_steps for i in spec.islands}) > 1
+    assert [s.index for s in spec.learners] == list(range(len(spec.learners)))
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda r: r["islands"][0].update(batch_size="eight"), "islands.0.batch_size"),
+    (lambda r: r["islands"][1].update(colour="blue"), "islands.1.colour"),
+    (lambda r: r["sync"].update(rounds=0), "sync.rounds"),
+    (lambda r: r["sync"].update(mode="ring"), "sync.mode"),
+    (lambda r: r["model"].update(heads=3), "model"),
+    (lambda r: r.pop("data"), "data"),
+])
+def test_invalid_input_names_the_field(edit, field):
+    raw = demo_raw()
+    edit(raw)
+    with pytest.raises(SpecError) as err:
+        parse_spec(raw)
+    assert field in str(err.value)
+
+
+def test_missing_file_and_bad_yaml_are_named(tmp_path):
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("islands: [\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_spec(bad)

@@ -1,0 +1,56 @@
+"""The store's contract, on a local folder and on a real S3 server."""
+
+import pytest
+import torch
+
+from infra.store import IntegrityError, ObjectExists, ObjectMissing, ObjectStore, StoreError
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return ObjectStore(str(tmp_path / "store"))
+    request.getfixturevalue("s3_env")
+    return ObjectStore(f"s3://archipelago/store-tests/{tmp_path.name}")
+
+
+def test_objects_are_written_once(store):
+    store.put_bytes("a/b.bin", b"first")
+    with pytest.raises(ObjectExists):
+        store.put_bytes("a/b.bin", b"second")
+    assert store.get_bytes("a/b.bin") == b"first"
+
+
+def test_committed_tensors_round_trip_and_are_verified(store):
+    tensors = {"weights": torch.randn(100), "tokens": torch.arange(10, dtype=torch.int16)}
+    written = store.commit_tensors("round-0/message", tensors, {"tokens": 7})
+    assert store.is_committed("round-0/message")
+    loaded, meta, read = store.read_committed("round-0/message")
+    assert meta == {"tokens": 7} and read == written
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+
+
+def test_corrupt_objects_are_detected_and_named(store):
+    ref = store.put_tensors("m/x.safetensors", {"w": torch.ones(10)})
+    store.put_json("m/ok.json", {"a": 1})
+    with pytest.raises(IntegrityError, match="m/x.safetensors"):
+        store.get_bytes(ref.key, "0" * 64)
+    store.put_bytes("m/bad.json", b'{"sha256": "00", "body": {"a": 2}}')
+    with pytest.raises(IntegrityError, match="m/bad.json"):
+        store.get_json("m/bad.json")
+    assert store.get_json("m/ok.json") == {"a": 1}
+
+
+def test_missing_objects_and_bad_keys(store):
+    with pytest.raises(ObjectMissing, match="nothing/here"):
+        store.get_bytes("nothing/here")
+    for key in ["../escape", "/abs", "a//b", "a/../b", "sp ace"]:
+        with pytest.raises(StoreError, match="invalid object key"):
+            store.put_bytes(key, b"x")
+
+
+def test_s3_store_without_credentials_is_refused(monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    with pytest.raises(StoreError, match="AWS_ACCESS_KEY_ID"):
+        ObjectStore("s3://archipelago/x")
