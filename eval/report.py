@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from infra.spec import RunSpec
+from infra.spec import CorruptObject, RunSpec
 
 FP32 = 4
 
@@ -106,3 +106,28 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
 def evaluation_table_from_report(report: dict) -> pd.DataFrame:
     return pd.DataFrame([{"evaluation": name, "islands_bpb": e["islands_bpb"], "baseline_bpb": e["baseline_bpb"],
                           "relative_difference": e["relative_difference"]} for name, e in report["evals"].items()])
+
+
+def fault_report(spec: RunSpec, summaries: list[dict], checkpointed_rounds: dict[int, int],
+                 fault_markers: list[str]) -> dict:
+    """What went wrong during the run and what it cost.
+
+    `rounds_lost`: learner-rounds without that learner's own checkpoint (work that was lost or
+    skipped by rejoining from a peer). `recovered`: learners killed mid-run that finished the run.
+    """
+    killed = [int(m.split("killed-learner-")[1][:3]) for m in fault_markers if "killed-learner-" in m]
+    store_faults: dict[str, int] = {}
+    for s in summaries:
+        for kind, count in s["store_faults_injected"].items():
+            store_faults[kind] = store_faults.get(kind, 0) + count
+    injected = {"kill_learner": len(killed), "stage_failures": sum("failed-stage-" in m for m in fault_markers),
+                "corrupt_object": len(spec.faults_of(CorruptObject)), **{f"store_{k}": v for k, v in store_faults.items()}}
+    return {
+        "injected": {k: v for k, v in injected.items() if v},
+        "recovered": sum(1 for learner in killed if summaries[learner]["rounds"]),
+        "rounds_lost": sum(spec.sync.rounds - n for n in checkpointed_rounds.values()),
+        "corrupt_reads_detected": sum(s["corrupt_reads_detected"] for s in summaries),
+        "missed_exchanges": sum(len(s["missed_exchanges"]) for s in summaries),
+        "store_retries": sum(s["store"]["retries"] for s in summaries),
+        "rejoined": {str(s["learner"]): s["rejoined_from"] for s in summaries if s["rejoined_from"]},
+    }

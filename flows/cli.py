@@ -1,4 +1,4 @@
-"""`archipelago`: the command line."""
+"""`archipelago`: run, resume and inspect runs from the command line."""
 
 from __future__ import annotations
 
@@ -8,11 +8,45 @@ import os
 import sys
 from pathlib import Path
 
-from infra.spec import SpecError, load_spec
+from infra import layout
+from infra.spec import RunSpec, SpecError, StoreSpec, load_spec
+from infra.store import ObjectStore, StoreError, run_store
 
 # Ephemeral Prefect: no telemetry off the machine, and room for a slow first start (database migrations).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
+    """Check the store before any work, run the lifecycle, print the result table."""
+    try:
+        ObjectStore.from_spec(spec.store).check_reachable()
+    except StoreError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from eval.report import evaluation_table_from_report
+    from flows.lifecycle import run_lifecycle
+
+    print(f"run {run_id}: store {spec.store.url}", flush=True)
+    try:
+        report = run_lifecycle(spec, run_id)
+    except Exception as err:  # noqa: BLE001 - the user needs the way back in, whatever failed
+        print(f"\nrun {run_id} failed: {type(err).__name__}: {err}\n"
+              f"completed stages are kept; continue with: archipelago resume {run_id} --store {spec.store.url}",
+              file=sys.stderr)
+        return 1
+    if report_path:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(json.dumps(report, indent=2))
+    comm = report["communication"]
+    print(f"\nrun {report['run_id']} ({report['sync_mode']}), {report['wall_seconds']:.0f} s")
+    print(evaluation_table_from_report(report).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print(f"tokens: islands {report['compute']['islands_tokens']:,}, standard {report['compute']['baseline_tokens']:,}")
+    print(f"inter-island bytes {comm['inter_island_bytes']:,} vs per-step all-reduce "
+          f"{comm['allreduce_equivalent_bytes']:,}; max weight distance {report['consensus']['max_weight_distance']:.4f}")
+    if report["faults"]["injected"]:
+        print(f"faults: {json.dumps(report['faults'])}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -21,20 +55,21 @@ def run(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from eval.report import evaluation_table_from_report
-    from flows.lifecycle import lifecycle
+    from tasks.setup import new_run_id
 
-    report = lifecycle(spec=spec)
-    if args.report:
-        Path(args.report).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.report).write_text(json.dumps(report, indent=2))
-    comm = report["communication"]
-    print(f"\nrun {report['run_id']} ({report['sync_mode']}), {report['wall_seconds']:.0f} s")
-    print(evaluation_table_from_report(report).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    print(f"tokens: islands {report['compute']['islands_tokens']:,}, standard {report['compute']['baseline_tokens']:,}")
-    print(f"inter-island bytes {comm['inter_island_bytes']:,} vs per-step all-reduce "
-          f"{comm['allreduce_equivalent_bytes']:,}; max weight distance {report['consensus']['max_weight_distance']:.4f}")
-    return 0
+    return _launch(spec, new_run_id(spec), args.report)
+
+
+def resume(args: argparse.Namespace) -> int:
+    """Continue a run from its store: completed stages come back from their persisted results,
+    learners restart from their newest checkpoints."""
+    try:
+        store = run_store(StoreSpec(url=args.store, endpoint_url=args.endpoint_url), args.run_id)
+        spec = RunSpec.model_validate(store.get_json(layout.SPEC))
+    except StoreError as err:
+        print(f"error: cannot resume {args.run_id}: {err}", file=sys.stderr)
+        return 2
+    return _launch(spec, args.run_id, args.report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.add_argument("config", help="run spec YAML")
     run_parser.add_argument("--report", help="write the report JSON here")
     run_parser.set_defaults(handler=run)
+    resume_parser = commands.add_parser("resume", help="continue an interrupted or failed run")
+    resume_parser.add_argument("run_id")
+    resume_parser.add_argument("--store", default=".archipelago/store", help="the run's store root")
+    resume_parser.add_argument("--endpoint-url", default=None, help="S3 endpoint, if not $AWS_ENDPOINT_URL")
+    resume_parser.add_argument("--report", help="write the report JSON here")
+    resume_parser.set_defaults(handler=resume)
     args = parser.parse_args(argv)
     return args.handler(args)
 

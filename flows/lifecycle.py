@@ -1,7 +1,10 @@
 """The whole life of an Archipelago run, as one Prefect flow.
 
-spec -> shards -> island training segments (concurrently) -> consolidation -> standard baseline
--> evaluation -> report.
+spec -> shards -> island training segments (every learner of every island, concurrently)
+-> consolidation -> standard baseline -> evaluation -> report.
+
+Every stage persists its result in the run's store under a cache key made of its inputs, so a
+retried or resumed run re-executes only the stages that did not complete.
 """
 
 from __future__ import annotations
@@ -10,22 +13,28 @@ import time
 
 from prefect import flow
 
+from infra.results import result_storage
 from infra.spec import RunSpec
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_models, publish_report
 from tasks.setup import new_run_id, start_run
-from tasks.training import consolidate_learners, train_island, train_standard
+from tasks.training import consolidate_learners, train_learner, train_standard
 
 
-@flow(name="lifecycle")
+@flow(name="lifecycle", persist_result=True)
 def lifecycle(spec: RunSpec, run_id: str | None = None) -> dict:
     started = time.monotonic()
     run_id = start_run(spec, run_id or new_run_id(spec))
     prepare_data(spec, run_id)
-    segments = [train_island.submit(spec, run_id, island.name) for island in spec.islands]
-    for segment in segments:
-        segment.result()
+    segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index) for slot in spec.learners]
+    for learner in segments:
+        learner.result()
     consensus = consolidate_learners(spec, run_id)
     baseline = train_standard(spec, run_id)
     evals = evaluate_models(spec, run_id)
     return publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
+
+
+def run_lifecycle(spec: RunSpec, run_id: str) -> dict:
+    """Run (or resume) the lifecycle with its stage results kept in the run's own store."""
+    return lifecycle.with_options(result_storage=result_storage(spec.store))(spec=spec, run_id=run_id)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,31 +36,17 @@ class LearnerFailed(RuntimeError):
     pass
 
 
-def run_learners(learners: list[LearnerProcess], store_url: str, endpoint_url: str | None, run_id: str,
-                 on_line: Callable[[int, str], None]) -> None:
-    """Run learners concurrently until all exit; relay their output lines; raise if any failed."""
-    procs, readers, tails = {}, [], {}
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(max(l.threads for l in learners))}
-    for learner in learners:
-        proc = subprocess.Popen(learner.command(store_url, endpoint_url, run_id), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env=env)
-        procs[learner.learner] = proc
-        tails[learner.learner] = deque(maxlen=30)
-        reader = threading.Thread(target=_relay, args=(learner.learner, proc, tails[learner.learner], on_line),
-                                  daemon=True)
-        reader.start()
-        readers.append(reader)
-    codes = {index: proc.wait() for index, proc in procs.items()}
-    for reader in readers:
-        reader.join()
-    failed = {index: code for index, code in codes.items() if code != 0}
-    if failed:
-        details = "\n".join(f"learner {i} exited with {code}:\n" + "\n".join(tails[i]) for i, code in failed.items())
-        raise LearnerFailed(f"{len(failed)} learner(s) failed\n{details}")
-
-
-def _relay(index: int, proc: subprocess.Popen, tail: deque, on_line: Callable[[int, str], None]) -> None:
+def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | None, run_id: str,
+                on_line: Callable[[str], None]) -> None:
+    """Run one learner until it exits, relaying its output lines; raise with its last lines if it failed."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads)}
+    proc = subprocess.Popen(learner.command(store_url, endpoint_url, run_id), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    tail: deque[str] = deque(maxlen=30)
     for line in proc.stdout:
-        line = line.rstrip("\n")
-        tail.append(line)
-        on_line(index, line)
+        tail.append(line.rstrip("\n"))
+        on_line(tail[-1])
+    code = proc.wait()
+    if code != 0:
+        cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+        raise LearnerFailed(f"learner {learner.learner} failed ({cause}); its last output:\n" + "\n".join(tail))

@@ -19,8 +19,12 @@ def heldout(corpus: str) -> str:
     return f"data/heldout/{corpus}.safetensors"
 
 
+def learner_prefix(learner: int) -> str:
+    return f"learners/{learner:03d}"
+
+
 def round_prefix(learner: int, round_index: int) -> str:
-    return f"learners/{learner:03d}/round-{round_index:05d}"
+    return f"{learner_prefix(learner)}/round-{round_index:05d}"
 
 
 def message(learner: int, round_index: int) -> str:
@@ -34,4 +38,4 @@ def checkpoint(learner: int, round_index: int) -> str:
 
 
 def learner_summary(learner: int) -> str:
-    return f"learners/{learner:03d}/summary.json"
+    return f"{learner_prefix(learner)}/summary.json"

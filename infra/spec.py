@@ -9,7 +9,7 @@ form a user fills in to start a run.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -127,6 +127,36 @@ class StoreSpec(SpecModel):
                                  "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
     endpoint_url: str | None = Field(
         None, description="S3 endpoint for S3-compatible servers; defaults to $AWS_ENDPOINT_URL.")
+    retry_attempts: int = Field(8, ge=1, le=100, description="Attempts per store request before its stage fails.")
+    retry_budget_s: float = Field(120, gt=0, description="Seconds one store request may spend retrying.")
+
+
+class KillLearner(SpecModel):
+    kind: Literal["kill_learner"] = Field(description="SIGKILL a learner's process in the middle of a round.")
+    learner: int = Field(ge=0, description="Global learner index.")
+    round: int = Field(ge=0, description="Round in which it dies (after half its inner steps), once.")
+
+
+class CorruptObject(SpecModel):
+    kind: Literal["corrupt_object"] = Field(description="Corrupt the next object a learner writes.")
+    learner: int = Field(ge=0, description="Global learner index.")
+    round: int = Field(0, ge=0, description="The learner's first message from this round on is corrupted.")
+
+
+class StoreErrors(SpecModel):
+    kind: Literal["store_errors"] = Field(description="Transient store faults on every learner's requests.")
+    rate: float = Field(ge=0, le=1, description="Probability that a store request meets a fault.")
+    kinds: list[Literal["timeout", "unavailable", "disconnect", "slow", "truncate"]] = Field(
+        ["timeout", "unavailable", "disconnect", "slow"], min_length=1, description="Fault kinds drawn from.")
+    slow_seconds: float = Field(0.2, ge=0, description="Delay of a 'slow' fault.")
+
+
+class FailStage(SpecModel):
+    kind: Literal["fail_stage"] = Field(description="Fail a lifecycle stage once, to exercise reruns.")
+    stage: Literal["evaluate", "report", "consolidate", "baseline"] = Field(description="Stage that fails once.")
+
+
+Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage], Field(discriminator="kind")]
 
 
 class EvalSpec(SpecModel):
@@ -142,13 +172,23 @@ class RunSpec(SpecModel):
     sync: SyncSpec = Field(description="How learners synchronise.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation settings.")
+    faults: list[Fault] = Field(default_factory=list, description="Faults to inject, for tests and drills.")
 
     @model_validator(mode="after")
     def _layout(self) -> "RunSpec":
         names = [i.name for i in self.islands]
         if len(set(names)) != len(names):
             raise ValueError(f"island names must be unique, got {names}")
+        learners = sum(i.learners for i in self.islands)
+        for n, fault in enumerate(self.faults):
+            if getattr(fault, "learner", 0) >= learners:
+                raise ValueError(f"faults.{n}.learner: {fault.learner} but the run has {learners} learners")
+            if getattr(fault, "round", 0) >= self.sync.rounds:
+                raise ValueError(f"faults.{n}.round: {fault.round} but the run has {self.sync.rounds} rounds")
         return self
+
+    def faults_of(self, kind: type) -> list:
+        return [f for f in self.faults if isinstance(f, kind)]
 
     @property
     def learners(self) -> list["LearnerSlot"]:

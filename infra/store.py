@@ -25,6 +25,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from infra.faults import FaultInjectingFileSystem, StoreFaults
+from infra.retry import RetryPolicy, call_with_retry
+
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]*(/[A-Za-z0-9_][A-Za-z0-9_.=-]*)*$")
 
 
@@ -73,36 +76,52 @@ class ObjectRef:
 class ObjectStore:
     """A prefix of a local folder or an S3 bucket, seen as write-once checksummed objects."""
 
-    def __init__(self, url: str, endpoint_url: str | None = None):
+    def __init__(self, url: str, endpoint_url: str | None = None, retry: RetryPolicy = RetryPolicy(),
+                 faults: StoreFaults | None = None, _shared: "_Shared | None" = None):
         self.url = url.rstrip("/")
+        self.endpoint_url = endpoint_url
+        self.retry = retry
         if self.url.startswith("s3://"):
-            self.fs = fsspec.filesystem("s3", **_s3_options(endpoint_url))
-            self.root = self.url[len("s3://"):]
-            self.is_local = False
+            self.root, self.is_local = self.url[len("s3://"):], False
         elif "://" in self.url and not self.url.startswith("file://"):
             raise StoreError(f"store url {url!r}: only local folders and s3:// are supported")
         else:
-            self.fs = fsspec.filesystem("file")
-            self.root = str(Path(self.url.removeprefix("file://")).resolve())
-            self.is_local = True
-        self.endpoint_url = endpoint_url
+            self.root, self.is_local = str(Path(self.url.removeprefix("file://")).resolve()), True
+        if _shared is None:
+            fs = fsspec.filesystem("s3", **_s3_options(endpoint_url)) if not self.is_local else fsspec.filesystem("file")
+            _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs)
+        self._shared = _shared
+        self.fs = _shared.fs
 
     @classmethod
-    def from_spec(cls, store_spec) -> "ObjectStore":
-        return cls(store_spec.url, store_spec.endpoint_url)
+    def from_spec(cls, store_spec, faults: StoreFaults | None = None) -> "ObjectStore":
+        return cls(store_spec.url, store_spec.endpoint_url,
+                   RetryPolicy(attempts=store_spec.retry_attempts, budget_s=store_spec.retry_budget_s), faults)
 
     def child(self, prefix: str) -> "ObjectStore":
+        """A sub-prefix sharing this store's connection, retry policy, faults and counters."""
         validate_key(prefix)
-        return ObjectStore(f"{self.url}/{prefix}", self.endpoint_url)
+        return ObjectStore(f"{self.url}/{prefix}", self.endpoint_url, self.retry, _shared=self._shared)
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Retries and integrity failures seen by this store and its children, for the report."""
+        return self._shared.stats
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{validate_key(key)}"
+
+    def _call(self, describe: str, fn, *args, policy: RetryPolicy | None = None):
+        def count(attempt, error, delay):
+            self._shared.stats["retries"] += 1
+        return call_with_retry(fn, *args, policy=policy or self.retry, describe=f"{describe} {self.url}",
+                               on_retry=count)
 
     def check_reachable(self) -> None:
         """Fail fast, before any training, when the store cannot be written."""
         probe = f"_probe/{uuid.uuid4().hex}"
         try:
-            self.fs.pipe_file(self._path(probe), b"ok") if not self.is_local else self._write_local(probe, b"ok")
+            self._write(probe, b"ok", RetryPolicy(attempts=2, budget_s=10))
             self.fs.rm_file(self._path(probe))
         except Exception as err:  # noqa: BLE001 - any failure here means the store is unusable
             raise StoreError(f"store {self.url} is not writable: {type(err).__name__}: {err}") from None
@@ -110,44 +129,65 @@ class ObjectStore:
     # -- raw objects -------------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self._path(key))
+        return self._call(f"exists {key} in", self.fs.exists, self._path(key))
 
     def put_bytes(self, key: str, data: bytes) -> ObjectRef:
+        """Write an object once. Writing the same bytes again is a no-op (so a retried stage can
+        redo its writes); different bytes under an existing key are refused."""
+        ref = ObjectRef(key, sha256(data), len(data))
         if self.exists(key):
-            raise ObjectExists(f"object {key} already exists in {self.url}; objects are written once")
-        if self.is_local:
-            self._write_local(key, data)
-        else:
-            self.fs.pipe_file(self._path(key), data)
-        return ObjectRef(key, sha256(data), len(data))
+            if self._existing_matches(key, ref.sha256):
+                return ref
+            raise ObjectExists(f"object {key} already exists in {self.url} with other content; "
+                               "objects are written once")
+        self._write(key, data)
+        return ref
 
-    def _write_local(self, key: str, data: bytes) -> None:
+    def _existing_matches(self, key: str, digest: str) -> bool:
+        try:
+            self.get_bytes(key, digest)
+            return True
+        except IntegrityError:
+            return False
+
+    def _write(self, key: str, data: bytes, policy: RetryPolicy | None = None) -> None:
+        payload = self._shared.take_corruption(data)
+        if not self.is_local:
+            self._call(f"put {key} to", self.fs.pipe_file, self._path(key), payload, policy=policy)
+            return
         final = Path(self._path(key))
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.parent / f".{final.name}.{uuid.uuid4().hex}.tmp"
-        tmp.write_bytes(data)
+        self._call(f"put {key} to", self.fs.pipe_file, str(tmp), payload, policy=policy)
         try:
             os.link(tmp, final)  # atomic, and refuses to replace an existing object
         except FileExistsError:
             raise ObjectExists(f"object {key} already exists in {self.url}; objects are written once") from None
         finally:
-            tmp.unlink()
+            tmp.unlink(missing_ok=True)
+
+    def corrupt_next_write(self) -> None:
+        """Fault injection: the next object written gets damaged bytes under the true checksum."""
+        self._shared.corrupt_next = True
 
     def get_bytes(self, key: str, expected_sha256: str | None = None) -> bytes:
-        try:
-            data = self.fs.cat_file(self._path(key))
-        except FileNotFoundError:
-            raise ObjectMissing(f"object {key} not found in {self.url}") from None
-        if expected_sha256 is not None and sha256(data) != expected_sha256:
-            raise IntegrityError(f"object {key} in {self.url} is corrupt: sha256 {sha256(data)[:12]} "
-                                 f"!= recorded {expected_sha256[:12]} ({len(data)} bytes read)")
-        return data
+        """Read an object; with a checksum, re-read a damaged transfer a few times before giving up."""
+        for attempt in range(3):
+            try:
+                data = self._call(f"get {key} from", self.fs.cat_file, self._path(key))
+            except FileNotFoundError:
+                raise ObjectMissing(f"object {key} not found in {self.url}") from None
+            if expected_sha256 is None or sha256(data) == expected_sha256:
+                return data
+            self._shared.stats["checksum_mismatches"] += 1
+        raise IntegrityError(f"object {key} in {self.url} is corrupt: sha256 {sha256(data)[:12]} "
+                             f"!= recorded {expected_sha256[:12]} ({len(data)} bytes read, {attempt + 1} reads)")
 
     def list(self, prefix: str) -> list[str]:
         """Keys under a prefix, relative to this store; empty if the prefix does not exist."""
         base = self._path(prefix)
         try:
-            found = self.fs.find(base)
+            found = self._call(f"list {prefix} in", self.fs.find, base)
         except FileNotFoundError:
             return []
         root = self.root + "/"
@@ -176,18 +216,14 @@ class ObjectStore:
         return self._get_json_sized(key)[0]
 
     def _get_json_sized(self, key: str) -> tuple[dict, int]:
-        raw = self.get_bytes(key)
-        try:
-            envelope = json.loads(raw)
-            body = envelope["body"]
-            recorded = envelope["sha256"]
-        except (ValueError, KeyError, TypeError):
-            raise IntegrityError(f"object {key} in {self.url} is not a checksummed JSON document") from None
-        actual = sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
-        if actual != recorded:
-            raise IntegrityError(f"object {key} in {self.url} is corrupt: body sha256 {actual[:12]} "
-                                 f"!= recorded {recorded[:12]}")
-        return body, len(raw)
+        for _ in range(3):  # a damaged transfer heals on re-read; a damaged object does not
+            raw = self.get_bytes(key)
+            body = _verified_json_body(raw)
+            if body is not None:
+                return body, len(raw)
+            self._shared.stats["checksum_mismatches"] += 1
+        raise IntegrityError(f"object {key} in {self.url} is corrupt: not a JSON document whose body "
+                             f"matches its recorded sha256 ({len(raw)} bytes read)")
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor],
                     metadata: dict[str, str] | None = None) -> ObjectRef:
@@ -217,6 +253,32 @@ class ObjectStore:
         meta, meta_bytes = self._get_json_sized(f"{key}.json")
         ref = ObjectRef.from_json(meta.pop("tensors"))
         return self.get_tensors(ref), meta, ref.nbytes + meta_bytes
+
+
+def _verified_json_body(raw: bytes) -> dict | None:
+    try:
+        envelope = json.loads(raw)
+        body, recorded = envelope["body"], envelope["sha256"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return body if sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()) == recorded else None
+
+
+class _Shared:
+    """What a store and its children share: one connection, the fault switch, the counters."""
+
+    def __init__(self, fs):
+        self.fs = fs
+        self.corrupt_next = False
+        self.stats = {"retries": 0, "checksum_mismatches": 0}
+
+    def take_corruption(self, data: bytes) -> bytes:
+        if not self.corrupt_next or not data:
+            return data
+        self.corrupt_next = False
+        damaged = bytearray(data)
+        damaged[len(damaged) // 2] ^= 0xFF
+        return bytes(damaged)
 
 
 def _s3_options(endpoint_url: str | None) -> dict:

@@ -8,6 +8,7 @@ import time
 from prefect import get_run_logger, task
 
 from infra import layout
+from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
 from infra.store import ObjectStore, run_store
 
@@ -16,7 +17,7 @@ def new_run_id(spec: RunSpec) -> str:
     return f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-@task(name="start-run")
+@task(name="start-run", cache_policy=STAGE_CACHE, persist_result=True)
 def start_run(spec: RunSpec, run_id: str) -> str:
     ObjectStore.from_spec(spec.store).check_reachable()
     store = run_store(spec.store, run_id)

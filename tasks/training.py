@@ -1,4 +1,4 @@
-"""Training stages as Prefect tasks: island segments, consolidation, the standard baseline."""
+"""Training stages as Prefect tasks: learners (island by island), consolidation, the baseline."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ import os
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from infra.launch import LearnerProcess, run_learners
+from infra.launch import LearnerProcess, run_learner
+from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
 from infra.store import run_store
+from tasks.faults import fail_once_if_asked
 from training.baseline import train_baseline
 from training.consolidate import consolidate
 
@@ -21,46 +23,49 @@ def threads_per_process(spec: RunSpec) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
-@task(name="train-island")
-def train_island(spec: RunSpec, run_id: str, island_name: str) -> None:
-    """Run every learner of one island, as OS processes, until the run's last round."""
-    logger = get_run_logger()
-    island = next(i for i in spec.islands if i.name == island_name)
-    slots = [s for s in spec.learners if s.island.name == island_name]
-    threads = threads_per_process(spec)
-    progress = create_progress_artifact(0.0, description=f"Rounds completed on island {island_name}")
-    done: dict[int, int] = {}
+@task(name="train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1,
+      cache_policy=STAGE_CACHE, persist_result=True)
+def train_learner(spec: RunSpec, run_id: str, island: str, learner: int) -> dict:
+    """One learner of an island's segment, as its own OS process (a torchrun group if it has several).
 
-    def relay(learner: int, line: str) -> None:
+    A learner that dies is retried by Prefect and resumes from the newest checkpoint it can trust.
+    """
+    logger = get_run_logger()
+    island_spec = spec.learners[learner].island
+    progress = create_progress_artifact(0.0, description=f"Rounds completed by learner {learner} on {island}")
+
+    def relay(line: str) -> None:
         try:
             event = json.loads(line)
         except ValueError:
-            logger.info("learner %d: %s", learner, line)
+            logger.info("%s", line)
             return
         if event.get("event") == "round":
-            done[learner] = event["round"] + 1
-            logger.info("learner %d round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", learner, event["round"] + 1,
-                        event["rounds"], event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
-            update_progress_artifact(progress, 100.0 * sum(done.values()) / (len(slots) * spec.sync.rounds))
+            logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
+                        event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
+            update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
+        elif event.get("event") in ("missed_exchange", "fault", "corrupt_checkpoint"):
+            logger.warning("%s", event)
         else:
-            logger.info("learner %d: %s", learner, event)
+            logger.info("%s", event)
 
-    logger.info("island %s: %d learners x %d processes, batch %d, H=%d", island_name, island.learners,
-                island.processes_per_learner, island.batch_size, island.inner_steps)
-    run_learners([LearnerProcess(s.index, island.processes_per_learner, threads) for s in slots],
-                 spec.store.url, spec.store.endpoint_url, run_id, relay)
+    run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec)),
+                spec.store.url, spec.store.endpoint_url, run_id, relay)
+    return {"learner": learner, "island": island}
 
 
-@task(name="consolidate")
+@task(name="consolidate", cache_policy=STAGE_CACHE, persist_result=True)
 def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
+    fail_once_if_asked(spec, run_id, "consolidate")
     consensus = consolidate(spec, run_store(spec.store, run_id))
     get_run_logger().info("consolidated %d learners; max relative weight distance %.4f",
                           len(spec.learners), consensus["max_weight_distance"])
     return consensus
 
 
-@task(name="train-standard-baseline")
+@task(name="train-standard-baseline", cache_policy=STAGE_CACHE, persist_result=True)
 def train_standard(spec: RunSpec, run_id: str) -> dict:
+    fail_once_if_asked(spec, run_id, "baseline")
     logger = get_run_logger()
 
     def progress(p: dict) -> None:

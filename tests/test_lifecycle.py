@@ -22,17 +22,18 @@ TINY = {
         {"name": "code", "source": "python_stdlib", "max_documents": 24, "eval_fraction": 0.2,
          "max_eval_bytes": 20000},
     ]},
-    "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 2},
+    "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 2, "partner_timeout_s": 60},
     "store": {"url": "s3://archipelago/e2e"},
 }
 
 
 @pytest.mark.parametrize("mode", ["butterfly", "allreduce"])
 def test_lifecycle_on_s3_with_a_torchrun_learner(mode, s3_env, prefect_api):
-    from flows.lifecycle import lifecycle
+    from flows.lifecycle import run_lifecycle
+    from tasks.setup import new_run_id
 
     spec = parse_spec({**TINY, "sync": {**TINY["sync"], "mode": mode}})
-    report = lifecycle(spec=spec)
+    report = run_lifecycle(spec, new_run_id(spec))
 
     assert set(report["evals"]) == {"prose", "code"}
     for scores in report["evals"].values():

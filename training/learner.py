@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,8 +26,10 @@ import torch
 import torch.distributed as dist
 
 from infra import layout
-from infra.spec import LearnerSlot, RunSpec
-from infra.store import ObjectStore
+from infra.faults import StoreFaults
+from infra.retry import RetryPolicy
+from infra.spec import CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
+from infra.store import IntegrityError, ObjectExists, ObjectStore
 from training.data import WindowSampler, read_stream
 from training.mixing import butterfly_partner, mix_pair, weighted_mean
 from training.model import ByteGPT, GPTConfig
@@ -75,6 +78,8 @@ class Traffic:
     seconds_computing: float = 0.0
     seconds_syncing: float = 0.0
     rounds: list[dict] = field(default_factory=list)
+    missed_exchanges: list[dict] = field(default_factory=list)
+    corrupt_reads: int = 0
 
 
 def emit(event: str, **fields) -> None:
@@ -99,19 +104,41 @@ class Learner:
         self.rows = self.slot.island.batch_size // world
         self.traffic = Traffic()
         self.start_round = 0
+        self.rejoined_from: dict | None = None
 
     # -- state ------------------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """Continue from the newest checkpoint this learner committed, if any."""
-        for t in reversed(range(self.spec.sync.rounds)):
-            key = layout.checkpoint(self.slot.index, t)
-            if self.store.is_committed(key):
-                tensors, meta, _ = self.store.read_committed(key)
-                self._load_state(tensors, meta)
-                self.start_round = t + 1
-                emit("resumed", learner=self.slot.index, round=t)
-                return
+        """Continue from the newest state this learner can trust.
+
+        Its own newest checkpoint, unless a peer has committed one at least two rounds newer: then
+        the peer's, and the learner rejoins at the round its peers are in. Replaying the missed rounds from its own
+        older state would keep it behind, and every partner would wait out a deadline for it each
+        round; a peer's checkpoint is that peer's consensus state after the same rounds. Only
+        checkpoints whose checksums verify are used; a corrupt one falls back to the next newest.
+        """
+        own = self._checkpoint_rounds(self.slot.index)
+        newest_own = max(own, default=-1)
+        # A peer one round ahead is ordinary skew between learners, not a reason to leave our own state.
+        fresher = [(t, peer) for peer in range(len(self.spec.learners)) if peer != self.slot.index
+                   for t in self._checkpoint_rounds(peer) if t > newest_own + 1]
+        candidates = sorted(fresher + [(t, self.slot.index) for t in own],
+                            key=lambda c: (c[0], c[1] == self.slot.index), reverse=True)
+        for t, learner in candidates:
+            try:
+                tensors, meta, _ = self.store.read_committed(layout.checkpoint(learner, t))
+            except IntegrityError as err:
+                emit("corrupt_checkpoint", learner=self.slot.index, error=str(err))
+                continue
+            self._load_state(tensors, meta)
+            self.start_round = t + 1
+            self.rejoined_from = {"learner": learner, "round": t}
+            emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
+            return
+
+    def _checkpoint_rounds(self, learner: int) -> list[int]:
+        return [int(key.split("/round-")[1].split("/")[0]) for key in self.store.list(layout.learner_prefix(learner))
+                if key.endswith("/checkpoint.json")]
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict]:
         tensors = {"weights": flat_parameters(self.model).cpu(), **self.outer.state_tensors()}
@@ -152,7 +179,19 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.inner.step()
             losses.append(loss.item())
+            if h == island.inner_steps // 2:
+                self._maybe_die(round_index)
         return sum(losses) / len(losses)
+
+    def _maybe_die(self, round_index: int) -> None:
+        """Fault injection: die by SIGKILL mid-round, once (a marker in the store remembers it)."""
+        for fault in self.spec.faults_of(KillLearner):
+            if (fault.learner, fault.round) == (self.slot.index, round_index) and self.rank == 0:
+                marker = f"faults/killed-learner-{fault.learner:03d}-round-{fault.round:05d}.json"
+                if not self.store.exists(marker):
+                    self.store.put_json(marker, {"learner": fault.learner, "round": fault.round})
+                    emit("fault", learner=self.slot.index, kind="kill_learner", round=round_index)
+                    os.kill(os.getpid(), signal.SIGKILL)
 
     def _average_gradients(self) -> None:
         params = list(self.model.parameters())
@@ -165,77 +204,108 @@ class Learner:
         unflatten_into(flat, [p.grad for p in params])
 
     def synchronise(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Send this round's message, mix with the round's peers, return the next anchor (rank 0 only)."""
+        """Send this round's message, mix with the peers that answered in time, return the next anchor.
+
+        A peer that misses the deadline, or whose message is corrupt, is left out of this round's
+        mix and recorded; the learner never blocks past `sync.partner_timeout_s` on anyone.
+        """
         me = self.slot.index
         tokens = self.slot.tokens_per_round()
         butterfly = self.spec.sync.mode == "butterfly"
-        payload = {"anchor": anchor, "delta": delta} if butterfly else {"delta": delta}
-        self.traffic.written += self.store.commit_tensors(
-            layout.message(me, round_index), payload, {"learner": me, "round": round_index, "tokens": tokens})
+        anchor, delta = self._publish(round_index, anchor, delta, tokens, butterfly)
         if butterfly:
             partner = butterfly_partner(me, round_index, len(self.spec.learners))
-            if partner is None:
+            received = self._receive(partner, round_index) if partner is not None else None
+            if received is None:
                 return self.outer.step(anchor, delta)
-            theirs, meta = self._receive(partner, round_index)
+            theirs, meta = received
             mixed_anchor, mixed_delta = mix_pair(anchor, delta, tokens, theirs["anchor"], theirs["delta"],
                                                  meta["tokens"], me, partner)
             return self.outer.step(mixed_anchor, mixed_delta)
         deltas, weights = [], []
         for peer in range(len(self.spec.learners)):
-            if peer == me:
-                deltas.append(delta)
-                weights.append(tokens)
-            else:
-                theirs, meta = self._receive(peer, round_index)
-                deltas.append(theirs["delta"])
-                weights.append(meta["tokens"])
+            received = ({"delta": delta}, {"tokens": tokens}) if peer == me else self._receive(peer, round_index)
+            if received is not None:
+                deltas.append(received[0]["delta"])
+                weights.append(received[1]["tokens"])
         return self.outer.step(anchor, weighted_mean(deltas, weights))
 
-    def _receive(self, peer: int, round_index: int) -> tuple[dict[str, torch.Tensor], dict]:
+    def _publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor, tokens: int,
+                 butterfly: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Commit this round's message. If a previous life of this learner already sent one for the
+        round, peers may have mixed with it: keep to what was sent."""
+        key = layout.message(self.slot.index, round_index)
+        if any(isinstance(f, CorruptObject) and f.learner == self.slot.index and f.round == round_index
+               for f in self.spec.faults):
+            self.store.corrupt_next_write()
+            emit("fault", learner=self.slot.index, kind="corrupt_object", round=round_index)
+        payload = {"anchor": anchor, "delta": delta} if butterfly else {"delta": delta}
+        try:
+            self.traffic.written += self.store.commit_tensors(
+                key, payload, {"learner": self.slot.index, "round": round_index, "tokens": tokens})
+        except ObjectExists:
+            sent, _, _ = self.store.read_committed(key)
+            return sent.get("anchor", anchor), sent["delta"]
+        return anchor, delta
+
+    def _receive(self, peer: int, round_index: int) -> tuple[dict[str, torch.Tensor], dict] | None:
         key = layout.message(peer, round_index)
         if not self.store.wait_for(f"{key}.json", self.spec.sync.partner_timeout_s):
-            raise TimeoutError(f"learner {self.slot.index}: no message from learner {peer} for round "
-                               f"{round_index} within {self.spec.sync.partner_timeout_s}s ({key})")
-        tensors, meta, nbytes = self.store.read_committed(key)
+            return self._missed(peer, round_index, "deadline")
+        try:
+            tensors, meta, nbytes = self.store.read_committed(key)
+        except IntegrityError as err:
+            self.traffic.corrupt_reads += 1
+            return self._missed(peer, round_index, f"corrupt: {err}")
         if self.spec.learners[peer].island.name == self.slot.island.name:
             self.traffic.read_intra += nbytes
         else:
             self.traffic.read_inter += nbytes
         return tensors, meta
 
+    def _missed(self, peer: int, round_index: int, reason: str) -> None:
+        self.traffic.missed_exchanges.append({"round": round_index, "peer": peer, "reason": reason})
+        emit("missed_exchange", learner=self.slot.index, peer=peer, round=round_index, reason=reason)
+        return None
+
     def run(self) -> None:
-        rounds = self.spec.sync.rounds
         started = time.monotonic()
-        for t in range(self.start_round, rounds):
-            round_started = time.monotonic()
-            anchor = flat_parameters(self.model)
-            loss = self.inner_steps(t)
-            computed = time.monotonic()
-            delta = anchor - flat_parameters(self.model)
+        for t in range(self.start_round, self.spec.sync.rounds):
+            loss = self.run_round(t)
             if self.rank == 0:
-                next_anchor = self.synchronise(t, anchor.cpu(), delta.cpu()).to(self.device)
-            else:
-                next_anchor = torch.empty_like(anchor)
-            if self.world > 1:
-                dist.broadcast(next_anchor, src=0)
-            load_flat_parameters(self.model, next_anchor)
-            synced = time.monotonic()
-            if self.rank == 0:
-                tensors, meta = self._state()
-                self.traffic.checkpoint += self.store.commit_tensors(
-                    layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
-            self.traffic.seconds_computing += computed - round_started
-            self.traffic.seconds_syncing += synced - computed
-            self.traffic.rounds.append({"round": t, "loss": loss, "compute_s": computed - round_started,
-                                        "sync_s": synced - computed})
-            done = t + 1 - self.start_round
-            rate = done * self.slot.tokens_per_round() / (time.monotonic() - started)
-            eta = (rounds - t - 1) * (time.monotonic() - started) / done
-            if self.rank == 0:
-                emit("round", learner=self.slot.index, island=self.slot.island.name, round=t, rounds=rounds,
-                     loss=round(loss, 4), tokens_per_s=round(rate), eta_s=round(eta, 1))
+                done = t + 1 - self.start_round
+                elapsed = time.monotonic() - started
+                emit("round", learner=self.slot.index, island=self.slot.island.name, round=t,
+                     rounds=self.spec.sync.rounds, loss=round(loss, 4),
+                     tokens_per_s=round(done * self.slot.tokens_per_round() / elapsed),
+                     eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1))
         if self.rank == 0:
             self._write_summary()
+
+    def run_round(self, t: int) -> float:
+        """Inner steps, exchange, outer step, checkpoint. Returns the mean inner loss."""
+        round_started = time.monotonic()
+        anchor = flat_parameters(self.model)
+        loss = self.inner_steps(t)
+        computed = time.monotonic()
+        delta = anchor - flat_parameters(self.model)
+        if self.rank == 0:
+            next_anchor = self.synchronise(t, anchor.cpu(), delta.cpu()).to(self.device)
+        else:
+            next_anchor = torch.empty_like(anchor)
+        if self.world > 1:
+            dist.broadcast(next_anchor, src=0)
+        load_flat_parameters(self.model, next_anchor)
+        synced = time.monotonic()
+        if self.rank == 0:
+            tensors, meta = self._state()
+            self.traffic.checkpoint += self.store.commit_tensors(
+                layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
+        self.traffic.seconds_computing += computed - round_started
+        self.traffic.seconds_syncing += synced - computed
+        self.traffic.rounds.append({"round": t, "loss": loss, "compute_s": computed - round_started,
+                                    "sync_s": synced - computed})
+        return loss
 
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
@@ -245,10 +315,21 @@ class Learner:
                    "bytes_read_inter": self.traffic.read_inter, "checkpoint_bytes": self.traffic.checkpoint,
                    "seconds_computing": self.traffic.seconds_computing,
                    "seconds_syncing": self.traffic.seconds_syncing, "rounds": self.traffic.rounds,
-                   "resumed_from_round": self.start_round}
+                   "rejoined_from": self.rejoined_from, "missed_exchanges": self.traffic.missed_exchanges,
+                   "corrupt_reads_detected": self.traffic.corrupt_reads, "store": dict(self.store.stats),
+                   "store_faults_injected": dict(getattr(self.store.fs, "counts", {}))}
         if not self.store.exists(key):
             self.store.put_json(key, summary)
         emit("done", learner=self.slot.index)
+
+
+def store_faults(spec: RunSpec, learner: int) -> StoreFaults | None:
+    """The run's injected store faults, seeded per learner so each sees its own sequence."""
+    errors = spec.faults_of(StoreErrors)
+    if not errors:
+        return None
+    e = errors[0]
+    return StoreFaults(e.rate, tuple(e.kinds), slow_seconds=e.slow_seconds, seed=spec.seed * 1000 + learner)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,8 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    store = ObjectStore(args.store, args.endpoint_url).child(f"runs/{args.run_id}")
-    spec = RunSpec.model_validate(store.get_json(layout.SPEC))
+    spec = RunSpec.model_validate(
+        ObjectStore(args.store, args.endpoint_url).child(f"runs/{args.run_id}").get_json(layout.SPEC))
+    store = ObjectStore(args.store, args.endpoint_url,
+                        RetryPolicy(attempts=spec.store.retry_attempts, budget_s=spec.store.retry_budget_s),
+                        store_faults(spec, args.learner)).child(f"runs/{args.run_id}")
     if world > 1:
         dist.init_process_group("nccl" if spec.learners[args.learner].island.device == "cuda" else "gloo")
     try:

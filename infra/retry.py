@@ -1,0 +1,148 @@
+"""Retries for store calls: ride out a flaky S3 service, fail loudly once it is really gone.
+
+Only errors that a later attempt can cure are retried (timeouts, dropped connections, 5xx and
+SlowDown answers). Everything else (a missing object, a denied request, a bug) propagates at
+once, unchanged, because retrying it only delays the same failure.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import http.client
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from infra.faults import InjectedServiceUnavailable
+
+T = TypeVar("T")
+
+# s3fs.errors.translate_boto_error turns S3 5xx answers into a bare OSError whose text is the
+# server's message ("Please reduce your request rate.", "Service Unavailable", ...):
+# SlowDown, ServiceUnavailable and 503 get errno EBUSY, InternalError and 500 get EREMOTEIO
+# (EIO where the platform lacks it, as in s3fs). The errno is the dependable signal; some s3fs
+# paths (info/exists) also drop the botocore cause. EBUSY also covers 409 OperationAborted,
+# which S3 documents as "try again".
+_TRANSIENT_ERRNOS = frozenset({errno.EBUSY, getattr(errno, "EREMOTEIO", errno.EIO)})
+# 502/504 have no s3fs mapping and arrive as OSError(EIO, "An error occurred (502) when ...").
+_TRANSIENT_MARKERS = (
+    " 500 ", " 502 ", " 503 ", " 504 ", "(500)", "(502)", "(503)", "(504)",
+    "SlowDown", "reduce your request rate", "ServiceUnavailable", "Service Unavailable",
+    "InternalError", "Bad Gateway", "Gateway Timeout",
+)
+_TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"})
+# Subclasses of OSError that no retry can cure; checked first because they share its errnos.
+_PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
+
+# Its own entropy, so learners that seed `random` identically (or fork) still spread their
+# retries apart instead of hammering a throttled service in lockstep.
+_JITTER = random.SystemRandom()
+
+
+class StoreUnavailable(RuntimeError):
+    """The store kept failing transiently until the retry policy ran out."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Attempts and backoff for one store call; `budget_s` bounds the whole call, sleeps included."""
+
+    attempts: int = 6
+    base_delay_s: float = 0.05
+    max_delay_s: float = 2.0
+    budget_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be >= 1, got {self.attempts!r}")
+        for name in ("base_delay_s", "max_delay_s", "budget_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"RetryPolicy.{name} must be >= 0, got {getattr(self, name)!r}")
+
+
+@functools.cache
+def _transient_types() -> tuple[type[BaseException], ...]:
+    # Imported on first use, and only if installed: a local-folder store needs neither.
+    # IncompleteRead: the connection dropped mid-body; s3fs re-raises it as is once its own
+    # retries are spent.
+    types: list[type[BaseException]] = [TimeoutError, ConnectionError, InjectedServiceUnavailable,
+                                        http.client.IncompleteRead]
+    try:
+        from botocore import exceptions as boto
+    except ImportError:
+        pass
+    else:
+        # HTTPClientError covers ReadTimeoutError and ConnectionClosedError; boto's
+        # ConnectionError covers EndpointConnectionError and ConnectTimeoutError.
+        types += [boto.ConnectionError, boto.HTTPClientError]
+    try:
+        import aiohttp
+    except ImportError:
+        pass
+    else:
+        types.append(aiohttp.ClientError)
+    return tuple(types)
+
+
+def _is_5xx_response(error: BaseException | None) -> bool:
+    """A botocore ClientError (raised directly, or the cause s3fs chained) reporting a 5xx."""
+    response = getattr(error, "response", None)
+    if not isinstance(response, dict):
+        return False
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+    return status >= 500 or response.get("Error", {}).get("Code") in _TRANSIENT_CODES
+
+
+def is_transient(error: BaseException) -> bool:
+    """Whether a later attempt of the same store call may succeed."""
+    if isinstance(error, _PERMANENT):
+        return False
+    if isinstance(error, _transient_types()):
+        # aiohttp's ClientResponseError is a ClientError that carries an HTTP status; a 4xx
+        # answer will be the same on the next attempt.
+        status = getattr(error, "status", None)
+        return not (isinstance(status, int) and status < 500)
+    if _is_5xx_response(error):
+        return True
+    if isinstance(error, OSError):
+        return (error.errno in _TRANSIENT_ERRNOS or _is_5xx_response(error.__cause__)
+                or any(marker in str(error) for marker in _TRANSIENT_MARKERS))
+    return False
+
+
+def call_with_retry(fn: Callable[..., T], *args: Any, policy: RetryPolicy, describe: str,
+                    on_retry: Callable[[int, BaseException, float], None] | None = None,
+                    sleep: Callable[[float], None] = time.sleep,
+                    clock: Callable[[], float] = time.monotonic, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, retried on transient errors with capped exponential full-jitter backoff.
+
+    `on_retry(attempt, error, delay)` is called before each sleep, `attempt` counting the failed
+    attempts so far. Raises StoreUnavailable, chained from the last error, when the attempts or
+    the time budget run out; any other error propagates unchanged on its first occurrence.
+    """
+    start = clock()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - classified below, re-raised as is unless transient
+            if not is_transient(err):
+                raise
+            last = err
+        remaining = policy.budget_s - (clock() - start)
+        if attempt >= policy.attempts or remaining <= 0:
+            break
+        # Full jitter, clipped so that no sleep carries the call past its budget.
+        cap = min(policy.max_delay_s, policy.base_delay_s * 2 ** (attempt - 1))
+        delay = min(_JITTER.uniform(0, cap), remaining)
+        if on_retry is not None:
+            on_retry(attempt, last, delay)
+        sleep(delay)
+    raise StoreUnavailable(
+        f"{describe}: store still unavailable after {attempt} attempts in {clock() - start:.1f}s "
+        f"(policy: {policy.attempts} attempts, {policy.budget_s:g}s budget); "
+        f"last error {type(last).__name__}: {last}") from last

@@ -1,0 +1,16 @@
+"""Faults a run spec asks for at the level of lifecycle stages."""
+
+from __future__ import annotations
+
+from infra.spec import FailStage, RunSpec
+from infra.store import run_store
+
+
+def fail_once_if_asked(spec: RunSpec, run_id: str, stage: str) -> None:
+    """Fault injection: a `fail_stage` fault fails its stage the first time only."""
+    if any(f.stage == stage for f in spec.faults_of(FailStage)):
+        store = run_store(spec.store, run_id)
+        marker = f"faults/failed-stage-{stage}.json"
+        if not store.exists(marker):
+            store.put_json(marker, {"stage": stage})
+            raise RuntimeError(f"stage {stage} failed on purpose (fault 'fail_stage'); retry the run to continue")

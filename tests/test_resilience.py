@@ -1,0 +1,93 @@
+"""Learners survive peers that vanish, corrupt objects and damaged checkpoints (local store, in-process)."""
+
+import pytest
+import torch
+
+from infra import layout
+from infra.spec import parse_spec
+from infra.store import ObjectStore
+from training.data import prepare_dataset
+from training.learner import Learner, flat_parameters
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    """A two-learner run prepared in a local store, from small text files."""
+    for i in range(6):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+
+    def make(**sync):
+        spec = parse_spec({
+            "name": "resilience",
+            "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2},
+                        {"name": "b", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
+            "model": {"layers": 1, "width": 16, "heads": 2},
+            "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+                                  "eval_fraction": 0.2}]},
+            "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 1, "partner_timeout_s": 0.3, **sync},
+            "store": {"url": str(tmp_path / "store")},
+        })
+        store = ObjectStore(spec.store.url).child("runs/r")
+        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+        prepare_dataset(spec, store)
+        return spec, store
+
+    return make
+
+
+def test_a_learner_whose_partner_is_gone_goes_on_and_records_it(run):
+    spec, store = run()
+    learner = Learner(spec, store, 0)
+    learner.run()  # learner 1 never starts: every exchange misses its deadline
+    assert [m["round"] for m in learner.traffic.missed_exchanges] == [0, 1, 2, 3]
+    assert all(m["reason"] == "deadline" for m in learner.traffic.missed_exchanges)
+    assert store.is_committed(layout.checkpoint(0, 3))
+
+
+def test_a_corrupt_message_is_detected_and_never_mixed_in(run):
+    spec, store = run()
+    sender = Learner(spec, store, 1)
+    sender.store.corrupt_next_write()
+    anchor = flat_parameters(sender.model)
+    sender._publish(0, anchor, torch.ones_like(anchor), 10, butterfly=True)
+    receiver = Learner(spec, store, 0)
+    assert receiver._receive(1, 0) is None
+    assert receiver.traffic.corrupt_reads == 1
+    assert receiver.traffic.missed_exchanges[0]["reason"].startswith("corrupt")
+
+
+def test_restart_resumes_from_own_checkpoint_and_skips_uncommitted_or_corrupt_ones(run):
+    spec, store = run()
+    first = Learner(spec, store, 0)
+    for t in range(2):
+        first.run_round(t)
+    # A checkpoint whose JSON manifest never landed does not exist.
+    store.put_bytes(f"{layout.checkpoint(0, 2)}.safetensors", b"partial")
+    again = Learner(spec, store, 0)
+    again.resume()
+    assert again.start_round == 2 and again.rejoined_from == {"learner": 0, "round": 1}
+    assert torch.equal(flat_parameters(again.model), flat_parameters(first.model))
+
+
+def test_restart_rejoins_from_a_fresher_peer_checkpoint(run):
+    spec, store = run()
+    Learner(spec, store, 0).run_round(0)
+    peer = Learner(spec, store, 1)
+    for t in range(3):
+        peer.run_round(t)
+    late = Learner(spec, store, 0)
+    late.resume()
+    assert late.start_round == 3 and late.rejoined_from == {"learner": 1, "round": 2}
+    assert torch.equal(flat_parameters(late.model), flat_parameters(peer.model))
+
+
+def test_more_learners_than_documents_stops_before_training(tmp_path):
+    (tmp_path / "only.txt").write_text("one document " * 100)
+    (tmp_path / "two.txt").write_text("two documents " * 100)
+    (tmp_path / "three.txt").write_text("three documents " * 100)
+    spec = parse_spec({
+        "islands": [{"name": "a", "learners": 3, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
+        "data": {"corpora": [{"name": "t", "source": "files", "paths": [str(tmp_path / "*.txt")]}]},
+        "sync": {"rounds": 1}, "store": {"url": str(tmp_path / "store")}})
+    with pytest.raises(ValueError, match="3 learners but only 2 training documents"):
+        prepare_dataset(spec, ObjectStore(spec.store.url))
