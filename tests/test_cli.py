@@ -1,0 +1,38 @@
+"""Bad input stops before any work, with an error that names the problem."""
+
+import yaml
+
+from flows.cli import main
+from tests.test_spec import demo_raw
+
+
+def write_config(tmp_path, **changes):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({**demo_raw(), **changes}))
+    return str(path)
+
+
+def test_unknown_field_is_named(tmp_path, capsys):
+    assert main(["run", write_config(tmp_path, colour="blue")]) == 2
+    assert "colour" in capsys.readouterr().err
+
+
+def test_missing_credentials_are_named(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    assert main(["run", write_config(tmp_path, store={"url": "s3://archipelago/x"})]) == 2
+    assert "AWS_ACCESS_KEY_ID" in capsys.readouterr().err
+
+
+def test_unreachable_store_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-real-secret")
+    config = write_config(tmp_path, store={"url": "s3://archipelago/x", "endpoint_url": "http://127.0.0.1:9"})
+    assert main(["run", config]) == 2
+    err = capsys.readouterr().err
+    assert "not writable" in err and "not-a-real-secret" not in err
+
+
+def test_resume_of_an_unknown_run_names_it(tmp_path, capsys):
+    assert main(["resume", "no-such-run", "--store", str(tmp_path)]) == 2
+    assert "no-such-run" in capsys.readouterr().err
