@@ -67,6 +67,8 @@ def test_restart_resumes_from_own_checkpoint_and_skips_uncommitted_or_corrupt_on
     again.resume()
     assert again.start_round == 2 and again.rejoined_from == {"learner": 0, "round": 1}
     assert torch.equal(flat_parameters(again.model), flat_parameters(first.model))
+    assert again.traffic.written == first.traffic.written > 0  # counters survive the restart
+    assert [r["round"] for r in again.traffic.rounds] == [0, 1]
 
 
 def test_restart_rejoins_from_a_fresher_peer_checkpoint(run):

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,8 @@ class Learner:
                 emit("corrupt_checkpoint", learner=self.slot.index, error=str(err))
                 continue
             self._load_state(tensors, meta)
+            if learner == self.slot.index:
+                self.traffic = Traffic(**meta["traffic"])
             self.start_round = t + 1
             self.rejoined_from = {"learner": learner, "round": t}
             emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
@@ -147,7 +149,8 @@ class Learner:
                 if torch.is_tensor(value) and value.dim() > 0:
                     tensors[f"inner.{i}.{name}"] = value.cpu()
         first = self.inner.state.get(next(self.model.parameters()), {})
-        return tensors, {"inner_step": int(first.get("step", 0))}
+        # The traffic counters ride along, so a restarted learner's report still counts its earlier life.
+        return tensors, {"inner_step": int(first.get("step", 0)), "traffic": asdict(self.traffic)}
 
     def _load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         load_flat_parameters(self.model, tensors["weights"].to(self.device))
@@ -297,14 +300,14 @@ class Learner:
             dist.broadcast(next_anchor, src=0)
         load_flat_parameters(self.model, next_anchor)
         synced = time.monotonic()
-        if self.rank == 0:
-            tensors, meta = self._state()
-            self.traffic.checkpoint += self.store.commit_tensors(
-                layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
         self.traffic.seconds_computing += computed - round_started
         self.traffic.seconds_syncing += synced - computed
         self.traffic.rounds.append({"round": t, "loss": loss, "compute_s": computed - round_started,
                                     "sync_s": synced - computed})
+        if self.rank == 0:
+            tensors, meta = self._state()
+            self.traffic.checkpoint += self.store.commit_tensors(
+                layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
         return loss
 
     def _write_summary(self) -> None:
