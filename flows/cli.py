@@ -24,7 +24,7 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from eval.report import evaluation_table_from_report
+    from eval.report import evaluation_table
     from flows.lifecycle import run_lifecycle
 
     print(f"run {run_id}: store {spec.store.url}", flush=True)
@@ -40,7 +40,7 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
         Path(report_path).write_text(json.dumps(report, indent=2))
     comm = report["communication"]
     print(f"\nrun {report['run_id']} ({report['sync_mode']}), {report['wall_seconds']:.0f} s")
-    print(evaluation_table_from_report(report).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    print(evaluation_table(report).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
     print(f"tokens: islands {report['compute']['islands_tokens']:,}, standard {report['compute']['baseline_tokens']:,}")
     print(f"inter-island bytes {comm['inter_island_bytes']:,} vs per-step all-reduce "
           f"{comm['allreduce_equivalent_bytes']:,}; max weight distance {report['consensus']['max_weight_distance']:.4f}")

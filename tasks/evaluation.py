@@ -38,7 +38,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
                           build_model(spec).parameter_counts(), wall_seconds)
     report["faults"] = fault_report(spec, summaries, checkpointed, store.list("faults"))
     store.put_json(layout.REPORT, report)
-    table = evaluation_table(evals)
+    table = evaluation_table(report)
     create_table_artifact(table.round(5).to_dict(orient="records"), key="bpb-table",
                           description=f"Bits per byte, islands vs standard training ({run_id})")
     create_markdown_artifact(settings_markdown(spec, report), key="run-report",
