@@ -140,7 +140,7 @@ class KillLearner(SpecModel):
 class CorruptObject(SpecModel):
     kind: Literal["corrupt_object"] = Field(description="Corrupt the next object a learner writes.")
     learner: int = Field(ge=0, description="Global learner index.")
-    round: int = Field(0, ge=0, description="The learner's first message from this round on is corrupted.")
+    round: int = Field(0, ge=0, description="Round whose message from this learner is corrupted.")
 
 
 class StoreErrors(SpecModel):
@@ -189,6 +189,10 @@ class RunSpec(SpecModel):
 
     def faults_of(self, kind: type) -> list:
         return [f for f in self.faults if isinstance(f, kind)]
+
+    def fault_at(self, kind: type, learner: int, round_index: int):
+        """The fault of this kind aimed at this learner in this round, if the spec has one."""
+        return next((f for f in self.faults_of(kind) if (f.learner, f.round) == (learner, round_index)), None)
 
     @property
     def learners(self) -> list["LearnerSlot"]:

@@ -112,10 +112,11 @@ class Learner:
         """Continue from the newest state this learner can trust.
 
         Its own newest checkpoint, unless a peer has committed one at least two rounds newer: then
-        the peer's, and the learner rejoins at the round its peers are in. Replaying the missed rounds from its own
-        older state would keep it behind, and every partner would wait out a deadline for it each
-        round; a peer's checkpoint is that peer's consensus state after the same rounds. Only
-        checkpoints whose checksums verify are used; a corrupt one falls back to the next newest.
+        the peer's, and the learner rejoins at the round its peers are in. Replaying the missed
+        rounds from its own older state would keep it behind, and every partner would wait out a
+        deadline for it each round; a peer's checkpoint is that peer's consensus state after the
+        same rounds. Only checkpoints whose checksums verify are used; a corrupt one falls back to
+        the next newest.
         """
         own = self._checkpoint_rounds(self.slot.index)
         newest_own = max(own, default=-1)
@@ -188,13 +189,13 @@ class Learner:
 
     def _maybe_die(self, round_index: int) -> None:
         """Fault injection: die by SIGKILL mid-round, once (a marker in the store remembers it)."""
-        for fault in self.spec.faults_of(KillLearner):
-            if (fault.learner, fault.round) == (self.slot.index, round_index) and self.rank == 0:
-                marker = f"faults/killed-learner-{fault.learner:03d}-round-{fault.round:05d}.json"
-                if not self.store.exists(marker):
-                    self.store.put_json(marker, {"learner": fault.learner, "round": fault.round})
-                    emit("fault", learner=self.slot.index, kind="kill_learner", round=round_index)
-                    os.kill(os.getpid(), signal.SIGKILL)
+        if self.rank != 0 or not self.spec.fault_at(KillLearner, self.slot.index, round_index):
+            return
+        marker = f"faults/killed-learner-{self.slot.index:03d}-round-{round_index:05d}.json"
+        if not self.store.exists(marker):
+            self.store.put_json(marker, {"learner": self.slot.index, "round": round_index})
+            emit("fault", learner=self.slot.index, kind="kill_learner", round=round_index)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _average_gradients(self) -> None:
         params = list(self.model.parameters())
@@ -238,8 +239,7 @@ class Learner:
         """Commit this round's message. If a previous life of this learner already sent one for the
         round, peers may have mixed with it: keep to what was sent."""
         key = layout.message(self.slot.index, round_index)
-        if any(isinstance(f, CorruptObject) and f.learner == self.slot.index and f.round == round_index
-               for f in self.spec.faults):
+        if self.spec.fault_at(CorruptObject, self.slot.index, round_index):
             self.store.corrupt_next_write()
             emit("fault", learner=self.slot.index, kind="corrupt_object", round=round_index)
         payload = {"anchor": anchor, "delta": delta} if butterfly else {"delta": delta}
