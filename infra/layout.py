@@ -37,5 +37,10 @@ def checkpoint(learner: int, round_index: int) -> str:
     return f"{round_prefix(learner, round_index)}/checkpoint"
 
 
+def learner_started(learner: int) -> str:
+    """Written when a learner first starts: a learner that finds it is restarting, not starting."""
+    return f"{learner_prefix(learner)}/started.json"
+
+
 def learner_summary(learner: int) -> str:
     return f"{learner_prefix(learner)}/summary.json"

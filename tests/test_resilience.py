@@ -59,6 +59,7 @@ def test_a_corrupt_message_is_detected_and_never_mixed_in(run):
 def test_restart_resumes_from_own_checkpoint_and_skips_uncommitted_or_corrupt_ones(run):
     spec, store = run()
     first = Learner(spec, store, 0)
+    first.resume()
     for t in range(2):
         first.run_round(t)
     # A checkpoint whose JSON manifest never landed does not exist.
@@ -73,7 +74,9 @@ def test_restart_resumes_from_own_checkpoint_and_skips_uncommitted_or_corrupt_on
 
 def test_restart_rejoins_from_a_fresher_peer_checkpoint(run):
     spec, store = run()
-    Learner(spec, store, 0).run_round(0)
+    first_life = Learner(spec, store, 0)
+    first_life.resume()
+    first_life.run_round(0)
     peer = Learner(spec, store, 1)
     for t in range(3):
         peer.run_round(t)
@@ -81,6 +84,18 @@ def test_restart_rejoins_from_a_fresher_peer_checkpoint(run):
     late.resume()
     assert late.start_round == 3 and late.rejoined_from == {"learner": 1, "round": 2}
     assert torch.equal(flat_parameters(late.model), flat_parameters(peer.model))
+    assert [r["round"] for r in late.traffic.rounds] == [0]  # its own first life still counts
+
+
+def test_a_late_first_start_trains_every_round_instead_of_taking_a_peer_state(run):
+    spec, store = run()
+    peer = Learner(spec, store, 1)
+    for t in range(3):
+        peer.run_round(t)
+    late = Learner(spec, store, 0)
+    late.resume()
+    assert late.start_round == 0 and late.rejoined_from is None
+    assert torch.equal(flat_parameters(late.model), flat_parameters(Learner(spec, store, 1).model))
 
 
 def test_more_learners_than_documents_stops_before_training(tmp_path):

@@ -158,8 +158,8 @@ def text_bytes(stream: torch.Tensor) -> int:
 class WindowSampler:
     """Random (input, target) windows from a learner's stream, reproducible from a seed.
 
-    The generator state is part of the learner's checkpoint, so a resumed learner draws exactly
-    the windows it would have drawn.
+    The learner reseeds the generator every round, so a resumed learner draws exactly the windows
+    it would have drawn.
     """
 
     def __init__(self, stream: torch.Tensor, seq_len: int, seed: int):

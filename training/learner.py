@@ -109,15 +109,36 @@ class Learner:
     # -- state ------------------------------------------------------------------------------------
 
     def resume(self) -> None:
-        """Continue from the newest state this learner can trust.
+        """Continue from the newest state this learner can trust, if this is a restart.
 
-        Its own newest checkpoint, unless a peer has committed one at least two rounds newer: then
-        the peer's, and the learner rejoins at the round its peers are in. Replaying the missed
-        rounds from its own older state would keep it behind, and every partner would wait out a
+        A learner's first life starts from the run's initial weights, however late it starts:
+        its peers' progress is no reason to skip its own share of the compute. On a restart, its
+        own newest checkpoint, unless a peer has committed one at least two rounds newer: then the
+        peer's, and the learner rejoins at the round its peers are in. Replaying the missed rounds
+        from its own older state would keep it behind, and every partner would wait out a
         deadline for it each round; a peer's checkpoint is that peer's consensus state after the
         same rounds. Only checkpoints whose checksums verify are used; a corrupt one falls back to
-        the next newest.
+        the next newest. Rank 0 decides and tells the other ranks, so a torchrun group never
+        splits between two states.
         """
+        chosen = self._choose_resume_point() if self.rank == 0 else None
+        source = torch.tensor(chosen[:2] if chosen else (-1, -1), device=self.device)
+        if self.world > 1:
+            dist.broadcast(source, src=0)
+        learner, t = source.tolist()
+        if t < 0:
+            return
+        tensors, meta = chosen[2:] if chosen else self.store.read_committed(layout.checkpoint(learner, t))[:2]
+        self._load_state(tensors, meta)
+        self.start_round = t + 1
+        self.rejoined_from = {"learner": learner, "round": t}
+        emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
+
+    def _choose_resume_point(self) -> tuple[int, int, dict, dict] | None:
+        started = layout.learner_started(self.slot.index)
+        if not self.store.exists(started):
+            self.store.put_json(started, {"learner": self.slot.index})
+            return None
         own = self._checkpoint_rounds(self.slot.index)
         newest_own = max(own, default=-1)
         # A peer one round ahead is ordinary skew between learners, not a reason to leave our own state.
@@ -131,13 +152,18 @@ class Learner:
             except IntegrityError as err:
                 emit("corrupt_checkpoint", learner=self.slot.index, error=str(err))
                 continue
-            self._load_state(tensors, meta)
-            if learner == self.slot.index:
-                self.traffic = Traffic(**meta["traffic"])
-            self.start_round = t + 1
-            self.rejoined_from = {"learner": learner, "round": t}
-            emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
-            return
+            self.traffic = self._own_traffic(own)
+            return learner, t, tensors, meta
+        return None
+
+    def _own_traffic(self, own_rounds: list[int]) -> Traffic:
+        """The counters of this learner's earlier lives, from its newest checkpoint that verifies."""
+        for t in sorted(own_rounds, reverse=True):
+            try:
+                return Traffic(**self.store.get_json(f"{layout.checkpoint(self.slot.index, t)}.json")["traffic"])
+            except IntegrityError:
+                continue
+        return Traffic()
 
     def _checkpoint_rounds(self, learner: int) -> list[int]:
         return [int(key.split("/round-")[1].split("/")[0]) for key in self.store.list(layout.learner_prefix(learner))
@@ -313,7 +339,8 @@ class Learner:
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
         summary = {"learner": self.slot.index, "island": self.slot.island.name, "processes": self.world,
-                   "tokens": self.slot.tokens_per_round() * self.spec.sync.rounds,
+                   # Rounds this learner completed in all its lives; rounds skipped by rejoining are not compute.
+                   "tokens": self.slot.tokens_per_round() * len(self.traffic.rounds),
                    "bytes_written": self.traffic.written, "bytes_read_intra": self.traffic.read_intra,
                    "bytes_read_inter": self.traffic.read_inter, "checkpoint_bytes": self.traffic.checkpoint,
                    "seconds_computing": self.traffic.seconds_computing,
