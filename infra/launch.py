@@ -19,6 +19,8 @@ class LearnerProcess:
     learner: int
     processes: int
     threads: int
+    # Prepended to the command line, e.g. `ip netns exec NS` to run in an island's network namespace.
+    wrapper: tuple[str, ...] = ()
 
     def command(self, store_url: str, endpoint_url: str | None, run_id: str) -> list[str]:
         launcher = [sys.executable, "-m", "training.learner"]
@@ -29,7 +31,7 @@ class LearnerProcess:
                 "--threads", str(self.threads)]
         if endpoint_url:
             args += ["--endpoint-url", endpoint_url]
-        return launcher + args
+        return [*self.wrapper, *launcher, *args]
 
 
 class LearnerFailed(RuntimeError):

@@ -68,7 +68,7 @@ def _weed_binary() -> str:
     return found
 
 
-def _free_ports(count: int) -> list[int]:
+def _free_ports(count: int, host: str) -> list[int]:
     """Pick HTTP ports whose +10000 gRPC partner is also free.
 
     All probe sockets stay bound until the end so the picks are distinct; another
@@ -81,14 +81,14 @@ def _free_ports(count: int) -> list[int]:
         while len(ports) < count:
             http = socket.socket()
             held.append(http)
-            http.bind((_HOST, 0))
+            http.bind((host, 0))
             port = http.getsockname()[1]
             if port + _GRPC_OFFSET > 65535:
                 continue
             grpc = socket.socket()
             held.append(grpc)
             try:
-                grpc.bind((_HOST, port + _GRPC_OFFSET))
+                grpc.bind((host, port + _GRPC_OFFSET))
             except OSError:
                 continue
             ports.append(port)
@@ -98,7 +98,7 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _weed_args(weed: str, data_dir: pathlib.Path, ports: dict[str, int]) -> list[str]:
+def _weed_args(weed: str, data_dir: pathlib.Path, ports: dict[str, int], host: str) -> list[str]:
     """Build the command line; every port is explicit.
 
     weed mini saves its flags to DIR/mini.options and reloads them for any flag
@@ -109,8 +109,8 @@ def _weed_args(weed: str, data_dir: pathlib.Path, ports: dict[str, int]) -> list
         "-logtostderr",  # otherwise glog also writes weed.* files into /tmp
         "mini",
         f"-dir={data_dir}",
-        f"-ip={_HOST}",
-        f"-ip.bind={_HOST}",
+        f"-ip={host}",
+        f"-ip.bind={host}",
         "-master.telemetry=false",
         "-admin.ui=false",
         # Services we do not need: fewer ports to pick and nothing else listening.
@@ -180,17 +180,20 @@ def seaweed_server(
     data_dir: pathlib.Path,
     buckets: Sequence[str] = ("archipelago",),
     startup_timeout: float = 30.0,
+    host: str = _HOST,
 ) -> Iterator[S3Server]:
     """Start ``weed mini`` storing data in *data_dir*, create *buckets*, yield it.
 
     The server log goes to ``data_dir / "weed.log"``. Several servers may run at
-    once as long as each has its own *data_dir*.
+    once as long as each has its own *data_dir*. *host* is the one address it
+    binds: loopback by default, or an address inside a network namespace (the
+    shaped-link bench serves one island's address to the other island).
     """
     data_dir = pathlib.Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS))))
+    ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS), host)))
     server = S3Server(
-        endpoint_url=f"http://{_HOST}:{ports['s3']}",
+        endpoint_url=f"http://{host}:{ports['s3']}",
         access_key=secrets.token_hex(10),
         secret_key=secrets.token_hex(20),
     )
@@ -203,7 +206,7 @@ def seaweed_server(
     log_path = data_dir / "weed.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            _weed_args(_weed_binary(), data_dir, ports),
+            _weed_args(_weed_binary(), data_dir, ports, host),
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -24,32 +25,69 @@ def rows_at_step(step: int, steps: int, rows: int) -> int:
     return (step + 1) * rows // steps - step * rows // steps
 
 
-def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lambda _: None) -> dict:
+@dataclass(frozen=True)
+class BaselinePlan:
+    """How the baseline spreads each shard's planned rows over its steps of one global batch."""
+
+    slots: list
+    planned_rows: list[int]
+    global_batch: int
+    steps: int
+
+    @classmethod
+    def of(cls, spec: RunSpec) -> "BaselinePlan":
+        slots = spec.learners
+        planned_rows = [slot.rows_per_round * spec.sync.rounds for slot in slots]
+        global_batch = sum(slot.island.batch_size for slot in slots)
+        return cls(slots, planned_rows, global_batch, -(-sum(planned_rows) // global_batch))
+
+    def step_tokens(self, step: int) -> list[int]:
+        return [rows_at_step(step, self.steps, rows) * slot.island.seq_len
+                for rows, slot in zip(self.planned_rows, self.slots)]
+
+
+def shard_samplers(spec: RunSpec, store, learners: list[int]) -> dict[int, WindowSampler]:
+    """The baseline's window samplers over the given learners' shards (seeded apart from the learners')."""
     manifest = store.get_json(layout.DATA_MANIFEST)
-    slots = spec.learners
-    planned_rows = [slot.rows_per_round * spec.sync.rounds for slot in slots]
-    global_batch = sum(slot.island.batch_size for slot in slots)
-    steps = -(-sum(planned_rows) // global_batch)
-    samplers = [WindowSampler(read_stream(store, manifest["shards"][slot.index]), slot.island.seq_len,
-                              seed=spec.seed * 7919 + slot.index + 1_000_003) for slot in slots]
+    return {i: WindowSampler(read_stream(store, manifest["shards"][i]), spec.learners[i].island.seq_len,
+                             seed=spec.seed * 7919 + i + 1_000_003) for i in learners}
+
+
+def accumulate_gradients(model, plan: BaselinePlan, samplers: dict[int, WindowSampler], step: int) -> tuple[float, int]:
+    """Backward the step's rows of the shards in `samplers`, each weighted by its share of the whole
+    global batch; so gradients accumulated by several processes over disjoint shards sum to the
+    global batch's gradient. Returns (this part's loss contribution, the global batch's tokens)."""
+    step_tokens = plan.step_tokens(step)
+    total = sum(step_tokens)
+    loss_sum = 0.0
+    for index, sampler in samplers.items():
+        n = step_tokens[index]
+        if n == 0:
+            continue
+        inputs, targets = sampler.batch(rows_at_step(step, plan.steps, plan.planned_rows[index]))
+        loss = model.loss(inputs, targets) * (n / total)  # token-weighted, as one global batch
+        loss.backward()
+        loss_sum += loss.item()
+    return loss_sum, total
+
+
+def baseline_optimizer(spec: RunSpec, model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=spec.sync.inner_lr,
+                             weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
+
+
+def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lambda _: None) -> dict:
+    plan = BaselinePlan.of(spec)
+    steps, global_batch = plan.steps, plan.global_batch
+    samplers = shard_samplers(spec, store, [slot.index for slot in plan.slots])
     model = build_model(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sync.inner_lr,
-                                  weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
+    optimizer = baseline_optimizer(spec, model)
     tokens, started = 0, time.monotonic()
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, spec.sync.inner_lr, spec.sync.warmup_steps)
         optimizer.zero_grad(set_to_none=True)
-        step_tokens = [rows_at_step(step, steps, rows) * slot.island.seq_len for rows, slot in zip(planned_rows, slots)]
-        total = sum(step_tokens)
-        loss_sum = 0.0
-        for sampler, rows, slot, n in zip(samplers, planned_rows, slots, step_tokens):
-            if n == 0:
-                continue
-            inputs, targets = sampler.batch(rows_at_step(step, steps, rows))
-            loss = model.loss(inputs, targets) * (n / total)  # token-weighted, as one global batch
-            loss.backward()
-            loss_sum += loss.item()
+        loss_sum, total = accumulate_gradients(model, plan, samplers, step)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         tokens += total

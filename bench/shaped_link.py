@@ -1,0 +1,607 @@
+"""Three ways to train the same model across two islands joined by a real, rate-limited link.
+
+Run as root, from the repository root:
+
+    /work/main/.venv/bin/python -m bench.shaped_link \\
+        [--standard configs/shaped-allreduce.yaml] [--allreduce configs/shaped-allreduce.yaml] \\
+        [--butterfly configs/shaped-butterfly.yaml] [--rounds N] [--rate-mbit R] [--dp-max-steps N]
+
+Arms, all on one link and one data preparation recipe, in this order:
+  standard   per-step all-reduce data parallelism: one gloo process per island, each training on its
+             island's shards, summing gradients over the link after every step (`bench.allreduce_dp`);
+             the same model, data and tokens as the standard baseline (it uses `training.baseline`'s
+             plan). Its model is built from the `--standard` config's islands, model and data.
+  allreduce  DiLoCo: learners exchange pseudo-gradients through the store once per round.
+  butterfly  pairwise exchange with partner i XOR 2^s. The arm is whatever `--butterfly` configures,
+             so fragments, overlap and compression are a change of that YAML file only.
+
+The network. Each island is a network namespace (`arch-<tag>-<island>`); one veth pair joins them and
+`tc tbf` shapes BOTH directions of it to the same rate. Nothing else is connected: every byte that
+moves between the islands crosses that pair, so its interface counters (read inside the namespace)
+are the inter-island bytes, headers included. A bench process never touches the host's interfaces.
+
+The store. One SeaweedFS S3 endpoint, in the first island's namespace, bound to that island's veth
+address: its learners reach it locally, the other island's learners over the shaped link. One
+endpoint, because a run is one store prefix that every learner reads and writes through one URL (the
+learner has no notion of a per-island store); a real deployment with one bucket at one site behaves
+the same way. The cost is visible in the results: besides the messages a learner reads from the
+other island, the remote island's own writes (its messages, and its per-round checkpoints) and its
+reads of same-island partners cross the link too. The results split the measured bytes against the
+learners' own counters so that share is plain.
+
+The rate. Scaling the brief literally (32 B parameters over 25 Gbit/s, i.e. 0.78 bit/s per
+parameter) gives this 0.44 M-parameter model 0.35 Mbit/s: one fp32 copy of the model then takes 41 s
+to cross, several hundred of our inner steps, and the per-step all-reduce arm alone would need hours.
+That scaling also assumes our steps take as long as the brief's, which they do not. What decides
+utilisation is the link against what the traffic needs in the time compute takes, so we keep THAT
+ratio instead: Streaming DiLoCo (arXiv 2501.18512) finds that per-step data parallelism needs 100 to
+300 Gbit/s for 95% compute utilisation at the scales the brief works at, so the brief's 25 Gbit/s is
+25 / sqrt(100 x 300) = 1/6.9 of what data parallelism needs. Here we measure what our per-step
+all-reduce needs for 95% (its gradient bytes each way per step, in 5/95 of a measured step's compute
+on this machine) and shape the link to the same 1/6.9 of it. Per-step data parallelism is then as
+starved on this link as on the brief's. `--rate-mbit` overrides; the literal figure is recorded too.
+No latency is added (netem is not available here): the link is narrow, not long.
+
+Sizing. The bench configs are the demo with fewer rounds (`--rounds` overrides all arms) so the three
+arms fit in about 20 minutes on two shared cores; `--dp-max-steps N` runs only the first N steps of
+the standard arm and extrapolates its wall time and bytes linearly (its bpb is then not reported).
+
+Results go to bench/results/shaped_link.json and bench/results/shaped_link.md. Teardown (every
+process left in the namespaces, the namespaces, and with them the veth pair) runs in `finally`, on
+Ctrl-C and on SIGTERM. The orchestration runs inside the store's namespace (`--drive`, internal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BRIEF_PARAMETERS = 32e9
+BRIEF_LINK_BPS = 25e9
+# Streaming DiLoCo: per-step data parallelism needs 100-300 Gbit/s for 95% compute utilisation.
+BRIEF_DP_NEED_BPS = math.sqrt(100e9 * 300e9)
+TARGET_UTILISATION = 0.95
+FP32 = 4
+NAMESPACE_PREFIX = "arch-"
+IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
+SUBNET = "10.77.0"  # only inside the bench's own namespaces, which have no other routes
+RESULTS = Path("bench/results")
+
+
+# -- rate arithmetic ------------------------------------------------------------------------------
+
+def brief_scaled_rate_bps(parameters: int) -> float:
+    """The link rate that keeps the brief's ratio of model size to bandwidth (32 B params : 25 Gbit/s)."""
+    return parameters * BRIEF_LINK_BPS / BRIEF_PARAMETERS
+
+
+def dp_need_bps(bytes_each_way_per_step: float, step_seconds: float,
+                utilisation: float = TARGET_UTILISATION) -> float:
+    """The rate at which a per-step all-reduce's transfer takes (1 - u) / u of a step's compute time,
+    i.e. the slowest link on which data parallelism still reaches compute utilisation u."""
+    if not 0 < utilisation < 1:
+        raise ValueError(f"utilisation must be in (0, 1), got {utilisation}")
+    if step_seconds <= 0:
+        raise ValueError(f"step_seconds must be positive, got {step_seconds}")
+    return bytes_each_way_per_step * 8 / (step_seconds * (1 - utilisation) / utilisation)
+
+
+def dp_matched_rate_bps(bytes_each_way_per_step: float, step_seconds: float) -> float:
+    """The link rate that stands to our per-step all-reduce's need as 25 Gbit/s stands to the brief's."""
+    return dp_need_bps(bytes_each_way_per_step, step_seconds) * BRIEF_LINK_BPS / BRIEF_DP_NEED_BPS
+
+
+def tbf_burst_bytes(rate_bps: float) -> int:
+    """A token bucket deep enough for 10 ms at the rate (tbf needs at least rate / HZ) and never
+    below 16 KiB, so full-size segments pass."""
+    return max(16 * 1024, int(rate_bps / 8 / 100))
+
+
+# -- the namespace plan ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class IslandEnd:
+    island: str
+    namespace: str
+    device: str
+    address: str
+
+
+@dataclass(frozen=True)
+class LinkPlan:
+    """Two island namespaces and the veth pair between them; the first island hosts the store."""
+
+    tag: str
+    ends: tuple[IslandEnd, IslandEnd]
+    rate_bps: int
+
+    @classmethod
+    def for_islands(cls, islands: list[str], rate_bps: float, tag: str | None = None) -> "LinkPlan":
+        if len(islands) != 2 or len(set(islands)) != 2:
+            raise ValueError(f"the shaped-link bench joins exactly two distinct islands, got {islands}")
+        tag = tag or secrets.token_hex(3)
+        ends = tuple(IslandEnd(island=name, namespace=f"{NAMESPACE_PREFIX}{tag}-{name}",
+                               device=f"arch{tag}{k}", address=f"{SUBNET}.{k + 1}")
+                     for k, name in enumerate(islands))
+        plan = cls(tag=tag, ends=ends, rate_bps=int(rate_bps))
+        plan.validate()
+        return plan
+
+    def validate(self, existing_namespaces: set[str] = frozenset()) -> None:
+        if not re.fullmatch(r"[a-z0-9]{1,8}", self.tag):
+            raise ValueError(f"tag {self.tag!r}: use 1-8 lowercase letters or digits")
+        if self.rate_bps < 8_000:
+            raise ValueError(f"rate {self.rate_bps} bit/s is below tbf's useful range (8 kbit/s)")
+        for end in self.ends:
+            if len(end.device) > IFNAME_MAX:
+                raise ValueError(f"interface name {end.device!r} is longer than {IFNAME_MAX} characters")
+            if end.namespace in existing_namespaces:
+                raise ValueError(f"network namespace {end.namespace!r} already exists; not touching it")
+
+    @property
+    def server(self) -> IslandEnd:
+        return self.ends[0]
+
+    def end(self, island: str) -> IslandEnd:
+        return next(e for e in self.ends if e.island == island)
+
+    def exec_in(self, island: str) -> tuple[str, ...]:
+        return ("ip", "netns", "exec", self.end(island).namespace)
+
+    def setup_commands(self) -> list[list[str]]:
+        a, b = self.ends
+        burst = tbf_burst_bytes(self.rate_bps)
+        commands = [["ip", "netns", "add", e.namespace] for e in self.ends]
+        commands.append(["ip", "link", "add", a.device, "netns", a.namespace, "type", "veth",
+                         "peer", "name", b.device, "netns", b.namespace])
+        for e in self.ends:
+            commands += [["ip", "-n", e.namespace, "addr", "add", f"{e.address}/30", "dev", e.device],
+                         ["ip", "-n", e.namespace, "link", "set", "lo", "up"],
+                         ["ip", "-n", e.namespace, "link", "set", e.device, "up"],
+                         # Egress of each end: the two directions of the link, each at the full rate.
+                         ["tc", "-n", e.namespace, "qdisc", "add", "dev", e.device, "root", "tbf",
+                          "rate", f"{self.rate_bps}bit", "burst", str(burst), "latency", "100ms"]]
+        return commands
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Each end's veth byte counters, read inside its namespace."""
+        out = {}
+        for e in self.ends:
+            values = subprocess.run(
+                [*self.exec_in(e.island), "cat", f"/sys/class/net/{e.device}/statistics/tx_bytes",
+                 f"/sys/class/net/{e.device}/statistics/rx_bytes"],
+                check=True, capture_output=True, text=True).stdout.split()
+            out[e.island] = {"tx_bytes": int(values[0]), "rx_bytes": int(values[1])}
+        return out
+
+
+def link_bytes(before: dict, after: dict, plan: LinkPlan) -> dict:
+    """Bytes over the link between two counter readings, each direction, from both ends."""
+    a, b = (e.island for e in plan.ends)
+    delta = {i: {k: after[i][k] - before[i][k] for k in after[i]} for i in after}
+    return {f"{a}_to_{b}": delta[a]["tx_bytes"], f"{b}_to_{a}": delta[b]["tx_bytes"],
+            "total": delta[a]["tx_bytes"] + delta[b]["tx_bytes"],
+            # the other end's receive counters, as a check
+            "total_seen_by_receivers": delta[b]["rx_bytes"] + delta[a]["rx_bytes"]}
+
+
+# -- root-side: build, run the driver, tear down -------------------------------------------------
+
+def interrupt(signum, frame) -> None:
+    """SIGTERM unwinds like Ctrl-C, so every `finally` (server, namespaces) runs."""
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def require_root_and_tools() -> None:
+    if os.geteuid() != 0:
+        raise SystemExit("bench/shaped_link.py must run as root: it creates network namespaces and tc qdiscs")
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise SystemExit(f"missing {', '.join(missing)}: install iproute2 (apt-get install -y iproute2)")
+
+
+def run_checked(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"`{' '.join(command)}` failed ({done.returncode}): {done.stderr.strip()}")
+
+
+def existing_namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def teardown(plan: LinkPlan, driver: subprocess.Popen | None) -> None:
+    """Stop the driver's process group, then anything still inside our namespaces, then delete them."""
+    if driver is not None and driver.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(driver.pid, signal.SIGTERM)
+        try:
+            driver.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(driver.pid, signal.SIGKILL)
+            driver.wait()
+    ours = existing_namespaces()
+    for e in plan.ends:
+        if e.namespace not in ours:
+            continue
+        pids = subprocess.run(["ip", "netns", "pids", e.namespace], capture_output=True, text=True).stdout.split()
+        for pid in pids:  # started by this bench: nothing else lives in a namespace it just made
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+        # Deleting a namespace destroys its end of the veth pair, and with it the pair.
+        subprocess.run(["ip", "netns", "del", e.namespace], capture_output=True)
+    log(f"torn down namespaces {', '.join(e.namespace for e in plan.ends)}")
+
+
+def calibrate_step_seconds(spec, repeats: int = 3) -> float:
+    """Median seconds of one global-batch training step (forward, backward, AdamW) on this machine."""
+    import torch
+    from training.baseline import BaselinePlan, baseline_optimizer
+    from training.learner import build_model
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = build_model(spec)
+    optimizer = baseline_optimizer(spec, model)
+    rows = BaselinePlan.of(spec).global_batch
+    data = torch.randint(0, 256, (rows, spec.max_seq_len + 1))
+    times = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        model.loss(data[:, :-1], data[:, 1:]).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])  # the first step pays for allocation
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--standard", default="configs/shaped-allreduce.yaml",
+                        help="config of the per-step all-reduce arm (its islands, model, data)")
+    parser.add_argument("--allreduce", default="configs/shaped-allreduce.yaml", help="config of the DiLoCo arm")
+    parser.add_argument("--butterfly", default="configs/shaped-butterfly.yaml", help="config of the butterfly arm")
+    parser.add_argument("--arms", default="standard,allreduce,butterfly", help="which arms to run, in order")
+    parser.add_argument("--rounds", type=int, default=None, help="override every arm's sync.rounds")
+    parser.add_argument("--rate-mbit", type=float, default=None, help="link rate; default matched to the brief")
+    parser.add_argument("--dp-max-steps", type=int, default=None,
+                        help="run only this many standard-arm steps and extrapolate its wall time and bytes")
+    parser.add_argument("--out", default=str(RESULTS / "shaped_link.json"))
+    parser.add_argument("--drive", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.drive:
+        return drive(json.loads(Path(args.drive).read_text()))
+
+    require_root_and_tools()
+    from infra.spec import load_spec
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    unknown = set(arms) - {"standard", "allreduce", "butterfly"}
+    if unknown:
+        raise SystemExit(f"--arms: unknown arm(s) {sorted(unknown)}")
+    configs = {arm: getattr(args, arm) for arm in arms}
+    specs = {arm: load_spec(path) for arm, path in configs.items()}  # bad configs fail here, named
+    islands = {arm: [i.name for i in spec.islands] for arm, spec in specs.items()}
+    if len({tuple(v) for v in islands.values()}) != 1:
+        raise SystemExit(f"every arm must have the same islands; got {islands}")
+    reference = next(iter(specs.values()))
+    warm_data_cache(specs.values())  # the namespaces have no route to the package index
+
+    from training.learner import build_model
+    parameters = build_model(reference).parameter_counts()["total"]
+    step_seconds = calibrate_step_seconds(reference)
+    matched = dp_matched_rate_bps(parameters * FP32, step_seconds)
+    rate = args.rate_mbit * 1e6 if args.rate_mbit else matched
+    rate_info = {"rate_bps": int(rate), "chosen": "override" if args.rate_mbit else "dp_matched",
+                 "dp_matched_rate_bps": matched, "brief_literal_rate_bps": brief_scaled_rate_bps(parameters),
+                 "dp_need_at_95pct_bps": dp_need_bps(parameters * FP32, step_seconds),
+                 "calibrated_step_seconds": step_seconds, "parameters": parameters}
+    log(f"{parameters:,} parameters; a global step takes {step_seconds:.3f} s here; per-step DP needs "
+        f"{rate_info['dp_need_at_95pct_bps'] / 1e6:.1f} Mbit/s for 95%; link shaped to {rate / 1e6:.2f} Mbit/s "
+        f"(literal brief scaling: {rate_info['brief_literal_rate_bps'] / 1e6:.3f} Mbit/s)")
+
+    plan = LinkPlan.for_islands(islands[arms[0]], rate)
+    plan.validate(existing_namespaces())
+    workdir = Path(tempfile.mkdtemp(prefix="arch-shaped-"))
+    job = {"plan": asdict(plan), "arms": arms, "configs": configs, "rounds": args.rounds,
+           "dp_max_steps": args.dp_max_steps, "rate": rate_info, "workdir": str(workdir),
+           "out": str(Path(args.out).resolve())}
+    (workdir / "job.json").write_text(json.dumps(job))
+    driver = None
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        for command in plan.setup_commands():
+            run_checked(command)
+        log(f"link up: {plan.ends[0].namespace} {plan.ends[0].address} <-> {plan.ends[1].address} "
+            f"{plan.ends[1].namespace}, tbf {rate / 1e6:.2f} Mbit/s each way")
+        driver = subprocess.Popen([*plan.exec_in(plan.server.island), sys.executable, "-m", "bench.shaped_link",
+                                   "--drive", str(workdir / "job.json")], start_new_session=True)
+        code = driver.wait()
+        if code:
+            raise SystemExit(f"the bench driver failed (exit status {code}); see its output above")
+    finally:
+        teardown(plan, driver)
+        shutil.rmtree(workdir, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+    return 0
+
+
+def warm_data_cache(specs) -> None:
+    from training.data import shakespeare_files
+    if any(c.source == "shakespeare" for spec in specs for c in spec.data.corpora):
+        shakespeare_files()
+
+
+# -- inside the store's namespace: the arms --------------------------------------------------------
+
+def drive(job: dict) -> int:
+    from infra.seaweed import seaweed_server
+
+    signal.signal(signal.SIGTERM, interrupt)
+    plan = LinkPlan(tag=job["plan"]["tag"], ends=tuple(IslandEnd(**e) for e in job["plan"]["ends"]),
+                    rate_bps=job["plan"]["rate_bps"])
+    started = time.monotonic()
+    with seaweed_server(Path(job["workdir"]) / "seaweed", host=plan.server.address) as server:
+        os.environ.update(server.env())
+        log(f"S3 endpoint {server.endpoint_url} in {plan.server.namespace}")
+        results = {}
+        for arm in job["arms"]:
+            spec = arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url)
+            log(f"arm {arm}: {job['configs'][arm]}, {spec.sync.rounds} rounds")
+            if arm == "standard":
+                results[arm] = run_standard(spec, plan, job["dp_max_steps"])
+            else:
+                results[arm] = run_islands(spec, plan, arm)
+            results[arm]["config"] = job["configs"][arm]
+            log(f"arm {arm} done: {json.dumps(headline(results[arm]))}")
+    document = {"link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island},
+                "arms": results, "targets": targets(results), "bench_seconds": time.monotonic() - started}
+    out = Path(job["out"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(document, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(document))
+    print(markdown(document), flush=True)
+    return 0
+
+
+def arm_spec(path: str, rounds: int | None, endpoint_url: str):
+    from infra.spec import load_spec, parse_spec
+    raw = load_spec(path).model_dump(mode="json")
+    raw["store"] = {**raw["store"], "url": "s3://archipelago/shaped", "endpoint_url": endpoint_url}
+    if rounds:
+        raw["sync"]["rounds"] = rounds
+    return parse_spec(raw)
+
+
+def new_run(spec, arm: str):
+    """A fresh run in the store with its spec and data; returns (run id, store, manifest)."""
+    from infra import layout
+    from infra.store import run_store
+    from training.data import prepare_dataset
+    run_id = f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    store = run_store(spec.store, run_id)
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    return run_id, store, prepare_dataset(spec, store)
+
+
+def score(spec, store, key: str) -> dict[str, float]:
+    """Bits per byte of one model on every held-out evaluation."""
+    from eval.bpb import bits_per_byte
+    from eval.evaluate import load_model
+    from infra import layout
+    from training.data import read_stream
+    model, _ = load_model(spec, store, key)
+    heldout = store.get_json(layout.DATA_MANIFEST)["heldout"]
+    return {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)["bpb"]
+            for name, entry in heldout.items()}
+
+
+def relay(prefix: str):
+    def on_line(line: str) -> None:
+        print(f"  {prefix} {line}", flush=True)
+    return on_line
+
+
+def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
+    from eval.report import allreduce_equivalent
+    from infra import layout
+    from infra.launch import LearnerProcess, run_learner
+    from tasks.training import threads_per_process
+    from training.baseline import BaselinePlan
+    from training.consolidate import consolidate
+    from training.learner import build_model
+
+    run_id, store, manifest = new_run(spec, arm)
+    shard_bytes = {s["learner"]: s["object"]["nbytes"] for s in manifest["shards"]}
+    threads = threads_per_process(spec)
+    walls: dict[int, float] = {}
+    errors: list[BaseException] = []
+
+    def learner(slot) -> None:
+        process = LearnerProcess(slot.index, slot.island.processes_per_learner, threads,
+                                 wrapper=plan.exec_in(slot.island.name))
+        began = time.monotonic()
+        try:
+            run_learner(process, spec.store.url, spec.store.endpoint_url, run_id,
+                        relay(f"{arm}/{slot.island.name}/L{slot.index}"))
+        except BaseException as err:  # re-raised below, once every learner has ended
+            errors.append(err)
+        walls[slot.index] = time.monotonic() - began
+
+    before, began = plan.counters(), time.monotonic()
+    workers = [threading.Thread(target=learner, args=(slot,)) for slot in spec.learners]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.monotonic() - began
+    measured = link_bytes(before, plan.counters(), plan)
+    if errors:
+        raise errors[0]
+    consensus = consolidate(spec, store)
+    bpb = score(spec, store, layout.CONSOLIDATED)
+    summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
+    remote = [s for s in summaries if s["island"] != plan.server.island]
+    computing = sum(s["seconds_computing"] for s in summaries)
+    syncing = sum(s["seconds_syncing"] for s in summaries)
+    parameters = build_model(spec).parameter_counts()["total"]
+    return {
+        "run_id": run_id, "sync_mode": spec.sync.mode, "rounds": spec.sync.rounds, "learners": len(summaries),
+        "tokens": sum(s["tokens"] for s in summaries),
+        "wall_seconds": wall, "learner_wall_seconds": walls,
+        "inter_island_bytes_measured": measured,
+        "inter_island_bytes_counted": sum(s["bytes_read_inter"] for s in summaries),
+        # What the single store placement sends over the link besides: the remote island's writes
+        # (messages, checkpoints) and its reads of every partner, plus its shards at start-up.
+        "remote_island_store_payload": {
+            "messages_written": sum(s["bytes_written"] for s in remote),
+            "checkpoints_written": sum(s["checkpoint_bytes"] for s in remote),
+            "messages_read": sum(s["bytes_read_intra"] + s["bytes_read_inter"] for s in remote),
+            "shards_read": sum(shard_bytes[s["learner"]] for s in remote)},
+        "project_allreduce_estimate_bytes": allreduce_equivalent(
+            spec, parameters, BaselinePlan.of(spec).steps)["inter_island_bytes"],
+        "seconds_computing": computing, "seconds_syncing": syncing,
+        "utilisation": computing / sum(walls.values()),
+        "utilisation_round_loop": computing / (computing + syncing),
+        "bpb": bpb, "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
+        "missed_exchanges": sum(len(s["missed_exchanges"]) for s in summaries),
+    }
+
+
+def free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
+    from infra import layout
+
+    run_id, store, _ = new_run(spec, "standard")
+    port = free_port(plan.server.address)
+    threads = max(1, (os.cpu_count() or 1) // len(plan.ends))
+    summaries: dict[int, dict] = {}
+    failures: list[str] = []
+
+    def rank(index: int, end: IslandEnd) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads),
+               "MASTER_ADDR": plan.server.address, "MASTER_PORT": str(port), "RANK": str(index),
+               "WORLD_SIZE": str(len(plan.ends)), "GLOO_SOCKET_IFNAME": end.device}
+        command = [*plan.exec_in(end.island), sys.executable, "-m", "bench.allreduce_dp", "--store", spec.store.url,
+                   "--endpoint-url", spec.store.endpoint_url, "--run-id", run_id, "--island", end.island,
+                   "--threads", str(threads)] + (["--max-steps", str(max_steps)] if max_steps else [])
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for line in proc.stdout:
+            relay(f"standard/{end.island}/rank{index}")(line.rstrip("\n"))
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "summary":
+                    summaries[index] = event
+        if proc.wait():
+            failures.append(f"rank {index} ({end.island}) exited with {proc.returncode}")
+
+    before, began = plan.counters(), time.monotonic()
+    workers = [threading.Thread(target=rank, args=(k, e)) for k, e in enumerate(plan.ends)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    wall = time.monotonic() - began
+    measured = link_bytes(before, plan.counters(), plan)
+    if failures:
+        raise RuntimeError("; ".join(failures))
+    first = summaries[0]
+    run, planned = first["steps_run"], first["steps_planned"]
+    scale = planned / run
+    # Two ranks: the all-reduce sends the whole gradient buffer each way per step ((N-1)/N x 2 x size).
+    counted = run * 2 * (len(plan.ends) - 1) * first["gradient_bytes_per_step"]
+    computing = sum(s["seconds_computing"] for s in summaries.values())
+    rank_walls = sum(s["seconds_wall"] for s in summaries.values())
+    return {
+        "run_id": run_id, "steps_run": run, "steps_planned": planned, "extrapolated": run < planned,
+        "tokens": first["global_tokens"],
+        "wall_seconds": wall * scale, "wall_seconds_measured": wall,
+        "inter_island_bytes_measured": {k: v * scale for k, v in measured.items()},
+        "inter_island_bytes_measured_raw": measured,
+        "inter_island_bytes_counted": counted * scale,
+        "gradient_bytes_per_step": first["gradient_bytes_per_step"],
+        "seconds_computing": computing, "seconds_communicating": sum(s["seconds_communicating"] for s in summaries.values()),
+        "utilisation": computing / rank_walls,
+        "per_rank": summaries,
+        "bpb": score(spec, store, layout.BASELINE) if run == planned else None,
+    }
+
+
+def headline(result: dict) -> dict:
+    return {"wall_s": round(result["wall_seconds"], 1), "link_bytes": round(result["inter_island_bytes_measured"]["total"]),
+            "utilisation": round(result["utilisation"], 3), "bpb": result["bpb"]}
+
+
+def targets(results: dict) -> dict:
+    out = {}
+    if "standard" in results and "butterfly" in results:
+        dp, bf = results["standard"], results["butterfly"]
+        out["butterfly_bytes_reduction_measured"] = (dp["inter_island_bytes_measured"]["total"]
+                                                     / bf["inter_island_bytes_measured"]["total"])
+        out["butterfly_bytes_reduction_counted"] = (dp["inter_island_bytes_counted"] / bf["inter_island_bytes_counted"]
+                                                    if bf["inter_island_bytes_counted"] else None)
+        out["reduction_target"] = 500
+    if "butterfly" in results:
+        out["butterfly_utilisation"] = results["butterfly"]["utilisation"]
+        out["utilisation_target"] = TARGET_UTILISATION
+    return out
+
+
+def markdown(document: dict) -> str:
+    link = document["link"]
+    arms = document["arms"]
+    evals = sorted({name for r in arms.values() for name in (r["bpb"] or {})})
+    header = ["arm", "config", "wall s", "link bytes (veth, both ways)", "counted bytes", "utilisation",
+              "round-loop utilisation"] + [f"bpb {e}" for e in evals]
+    rows = []
+    for arm, r in arms.items():
+        bpb = r["bpb"] or {}
+        rows.append([arm + (" (extrapolated)" if r.get("extrapolated") else ""), f"`{r['config']}`",
+                     f"{r['wall_seconds']:.0f}", f"{r['inter_island_bytes_measured']['total']:,.0f}",
+                     f"{r['inter_island_bytes_counted']:,.0f}", f"{r['utilisation']:.1%}",
+                     f"{r['utilisation_round_loop']:.1%}" if "utilisation_round_loop" in r else "-"]
+                    + [f"{bpb[e]:.4f}" if e in bpb else "-" for e in evals])
+    lines = [f"# Shaped link: {len(arms)} arms over one {link['rate_bps'] / 1e6:.2f} Mbit/s link",
+             "", f"Rate: {link['chosen']} (per-step DP needs {link['dp_need_at_95pct_bps'] / 1e6:.1f} Mbit/s for "
+             f"95% here at {link['calibrated_step_seconds']:.3f} s/step; literal brief scaling "
+             f"{link['brief_literal_rate_bps'] / 1e6:.3f} Mbit/s). Store endpoint in island "
+             f"`{link['store_island']}`.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    t = document["targets"]
+    if "butterfly_bytes_reduction_measured" in t:
+        lines += ["", f"Butterfly vs per-step all-reduce, inter-island bytes: {t['butterfly_bytes_reduction_measured']:.1f}x "
+                      f"less on the wire, {t['butterfly_bytes_reduction_counted'] or 0:.1f}x by the learners' counters "
+                      f"(target {t['reduction_target']}x)."]
+    if "butterfly_utilisation" in t:
+        lines += [f"Butterfly utilisation {t['butterfly_utilisation']:.1%} (target {t['utilisation_target']:.0%})."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
