@@ -60,6 +60,9 @@ def train(spec: RunSpec, store: ObjectStore, island: str, max_steps: int | None)
     steps = plan.steps if max_steps is None else min(max_steps, plan.steps)
     computing = communicating = 0.0
     gradient_bytes = tokens = 0
+    dist.barrier()  # both ranks have their data: from here on the link carries only gradients
+    if rank == 0:
+        emit("started", steps=steps)
     started = time.monotonic()
     for step in range(steps):
         t0 = time.monotonic()

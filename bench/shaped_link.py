@@ -255,16 +255,17 @@ def teardown(plan: LinkPlan, driver: subprocess.Popen | None) -> None:
     log(f"torn down namespaces {', '.join(e.namespace for e in plan.ends)}")
 
 
-def calibrate_step_seconds(spec, repeats: int = 3) -> float:
-    """Median seconds of one global-batch training step (forward, backward, AdamW) on this machine."""
+def calibrate_step_seconds(spec, repeats: int = 5) -> float:
+    """Median seconds of one per-step all-reduce step's compute here: forward, backward and AdamW on
+    the largest island's share of the global batch, with the threads each of its ranks gets."""
     import torch
-    from training.baseline import BaselinePlan, baseline_optimizer
+    from training.baseline import baseline_optimizer
     from training.learner import build_model
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(dp_threads(len(spec.islands)))
     model = build_model(spec)
     optimizer = baseline_optimizer(spec, model)
-    rows = BaselinePlan.of(spec).global_batch
+    rows = max(sum(s.island.batch_size for s in spec.learners if s.island.name == i.name) for i in spec.islands)
     data = torch.randint(0, 256, (rows, spec.max_seq_len + 1))
     times = []
     for _ in range(repeats + 1):
@@ -274,6 +275,10 @@ def calibrate_step_seconds(spec, repeats: int = 3) -> float:
         optimizer.step()
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])  # the first step pays for allocation
+
+
+def dp_threads(ranks: int) -> int:
+    return max(1, (os.cpu_count() or 1) // ranks)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,15 +440,22 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     shard_bytes = {s["learner"]: s["object"]["nbytes"] for s in manifest["shards"]}
     threads = threads_per_process(spec)
     walls: dict[int, float] = {}
+    round_ends: dict[int, list[float]] = {slot.index: [] for slot in spec.learners}
     errors: list[BaseException] = []
 
     def learner(slot) -> None:
         process = LearnerProcess(slot.index, slot.island.processes_per_learner, threads,
                                  wrapper=plan.exec_in(slot.island.name))
+        show = relay(f"{arm}/{slot.island.name}/L{slot.index}")
+
+        def on_line(line: str) -> None:
+            if '"event": "round"' in line:
+                round_ends[slot.index].append(time.monotonic())
+            show(line)
+
         began = time.monotonic()
         try:
-            run_learner(process, spec.store.url, spec.store.endpoint_url, run_id,
-                        relay(f"{arm}/{slot.island.name}/L{slot.index}"))
+            run_learner(process, spec.store.url, spec.store.endpoint_url, run_id, on_line)
         except BaseException as err:  # re-raised below, once every learner has ended
             errors.append(err)
         walls[slot.index] = time.monotonic() - began
@@ -481,11 +493,21 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
         "project_allreduce_estimate_bytes": allreduce_equivalent(
             spec, parameters, BaselinePlan.of(spec).steps)["inter_island_bytes"],
         "seconds_computing": computing, "seconds_syncing": syncing,
-        "utilisation": computing / sum(walls.values()),
+        "utilisation": steady_utilisation(summaries, round_ends),
+        "utilisation_process_wall": computing / sum(walls.values()),
         "utilisation_round_loop": computing / (computing + syncing),
         "bpb": bpb, "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
         "missed_exchanges": sum(len(s["missed_exchanges"]) for s in summaries),
     }
+
+
+def steady_utilisation(summaries: list[dict], round_ends: dict[int, list[float]]) -> float:
+    """Compute seconds over wall seconds from the end of each learner's first round to the end of its
+    last: every inner step, exchange, outer step and checkpoint in between, but not process start-up
+    (imports, shards) nor the first round's wait for slower-starting peers."""
+    computing = sum(r["compute_s"] for s in summaries for r in s["rounds"][1:])
+    wall = sum(ends[-1] - ends[0] for ends in round_ends.values())
+    return computing / wall
 
 
 def free_port(address: str) -> int:
@@ -499,8 +521,9 @@ def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
 
     run_id, store, _ = new_run(spec, "standard")
     port = free_port(plan.server.address)
-    threads = max(1, (os.cpu_count() or 1) // len(plan.ends))
+    threads = dp_threads(len(plan.ends))
     summaries: dict[int, dict] = {}
+    loop_counters: dict[str, dict] = {}
     failures: list[str] = []
 
     def rank(index: int, end: IslandEnd) -> None:
@@ -515,8 +538,12 @@ def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
             relay(f"standard/{end.island}/rank{index}")(line.rstrip("\n"))
             with contextlib.suppress(ValueError):
                 event = json.loads(line)
+                if event.get("event") == "started":
+                    loop_counters["before"] = plan.counters()
                 if event.get("event") == "summary":
                     summaries[index] = event
+                    if index == 0:  # rank 0 reports after the last all-reduce; its commit stays on its island
+                        loop_counters["after"] = plan.counters()
         if proc.wait():
             failures.append(f"rank {index} ({end.island}) exited with {proc.returncode}")
 
@@ -532,21 +559,25 @@ def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
         raise RuntimeError("; ".join(failures))
     first = summaries[0]
     run, planned = first["steps_run"], first["steps_planned"]
-    scale = planned / run
+    scale = planned / run  # 1 unless --dp-max-steps asked for a measured subset
+    loop = link_bytes(loop_counters["before"], loop_counters["after"], plan)
+    loop_wall = max(s["seconds_wall"] for s in summaries.values())
     # Two ranks: the all-reduce sends the whole gradient buffer each way per step ((N-1)/N x 2 x size).
     counted = run * 2 * (len(plan.ends) - 1) * first["gradient_bytes_per_step"]
     computing = sum(s["seconds_computing"] for s in summaries.values())
-    rank_walls = sum(s["seconds_wall"] for s in summaries.values())
     return {
         "run_id": run_id, "steps_run": run, "steps_planned": planned, "extrapolated": run < planned,
-        "tokens": first["global_tokens"],
-        "wall_seconds": wall * scale, "wall_seconds_measured": wall,
-        "inter_island_bytes_measured": {k: v * scale for k, v in measured.items()},
-        "inter_island_bytes_measured_raw": measured,
+        "tokens": first["global_tokens"] * scale,
+        # Start-up (imports, data over the link) once, the step loop scaled to every planned step.
+        "wall_seconds": wall + loop_wall * (scale - 1), "wall_seconds_measured": wall,
+        "inter_island_bytes_measured": {k: v + loop[k] * (scale - 1) for k, v in measured.items()},
+        "inter_island_bytes_measured_raw": measured, "inter_island_bytes_step_loop": loop,
         "inter_island_bytes_counted": counted * scale,
         "gradient_bytes_per_step": first["gradient_bytes_per_step"],
-        "seconds_computing": computing, "seconds_communicating": sum(s["seconds_communicating"] for s in summaries.values()),
-        "utilisation": computing / rank_walls,
+        "seconds_computing": computing,
+        "seconds_communicating": sum(s["seconds_communicating"] for s in summaries.values()),
+        # Each rank's compute over its step loop; waiting for the other island is not compute.
+        "utilisation": computing / sum(s["seconds_wall"] for s in summaries.values()),
         "per_rank": summaries,
         "bpb": score(spec, store, layout.BASELINE) if run == planned else None,
     }
@@ -576,14 +607,15 @@ def markdown(document: dict) -> str:
     link = document["link"]
     arms = document["arms"]
     evals = sorted({name for r in arms.values() for name in (r["bpb"] or {})})
-    header = ["arm", "config", "wall s", "link bytes (veth, both ways)", "counted bytes", "utilisation",
-              "round-loop utilisation"] + [f"bpb {e}" for e in evals]
+    header = ["arm", "config", "wall s", "inter-island bytes (veth, both ways)", "counted bytes",
+              "utilisation", "utilisation incl. start-up", "compute/(compute+sync)"] + [f"bpb {e}" for e in evals]
     rows = []
     for arm, r in arms.items():
         bpb = r["bpb"] or {}
         rows.append([arm + (" (extrapolated)" if r.get("extrapolated") else ""), f"`{r['config']}`",
                      f"{r['wall_seconds']:.0f}", f"{r['inter_island_bytes_measured']['total']:,.0f}",
                      f"{r['inter_island_bytes_counted']:,.0f}", f"{r['utilisation']:.1%}",
+                     f"{r['utilisation_process_wall']:.1%}" if "utilisation_process_wall" in r else "-",
                      f"{r['utilisation_round_loop']:.1%}" if "utilisation_round_loop" in r else "-"]
                     + [f"{bpb[e]:.4f}" if e in bpb else "-" for e in evals])
     lines = [f"# Shaped link: {len(arms)} arms over one {link['rate_bps'] / 1e6:.2f} Mbit/s link",
@@ -593,6 +625,13 @@ def markdown(document: dict) -> str:
              f"`{link['store_island']}`.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    for arm, r in arms.items():
+        payload = r.get("remote_island_store_payload")
+        if payload:
+            lines += ["", f"`{arm}`: of its {r['inter_island_bytes_measured']['total']:,.0f} link bytes, the remote island's "
+                          f"store traffic was {payload['checkpoints_written']:,} checkpoint bytes written, "
+                          f"{payload['messages_written']:,} message bytes written, {payload['messages_read']:,} message "
+                          f"bytes read (same-island partners included) and {payload['shards_read']:,} shard bytes read."]
     t = document["targets"]
     if "butterfly_bytes_reduction_measured" in t:
         lines += ["", f"Butterfly vs per-step all-reduce, inter-island bytes: {t['butterfly_bytes_reduction_measured']:.1f}x "

@@ -1,0 +1,64 @@
+"""The shaped-link bench's pure parts: rate arithmetic and the namespace plan (no root needed)."""
+
+import pytest
+
+from bench.shaped_link import (IFNAME_MAX, LinkPlan, brief_scaled_rate_bps, dp_matched_rate_bps, dp_need_bps,
+                               link_bytes, tbf_burst_bytes)
+
+
+def test_brief_scaling_keeps_parameters_per_bit():
+    assert brief_scaled_rate_bps(32_000_000_000) == pytest.approx(25e9)
+    assert brief_scaled_rate_bps(443_776) == pytest.approx(443_776 * 25 / 32)
+
+
+def test_dp_need_puts_the_transfer_in_the_idle_share_of_a_step():
+    rate = dp_need_bps(bytes_each_way_per_step=1_000_000, step_seconds=0.5, utilisation=0.95)
+    transfer = 1_000_000 * 8 / rate
+    assert transfer / (0.5 + transfer) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="utilisation"):
+        dp_need_bps(1, 1, utilisation=1.0)
+    with pytest.raises(ValueError, match="step_seconds"):
+        dp_need_bps(1, 0)
+
+
+def test_matched_rate_is_the_briefs_fraction_of_dp_need():
+    need = dp_need_bps(2_000_000, 0.2)
+    # 25 Gbit/s against the 100-300 Gbit/s per-step data parallelism needs: about 1/6.9.
+    assert dp_matched_rate_bps(2_000_000, 0.2) / need == pytest.approx(25 / (100 * 300) ** 0.5)
+
+
+def test_burst_covers_ten_milliseconds_and_a_floor():
+    assert tbf_burst_bytes(1e6) == 16 * 1024
+    assert tbf_burst_bytes(1e9) == 1_250_000
+
+
+def test_plan_names_fit_linux_and_stay_under_the_prefix():
+    plan = LinkPlan.for_islands(["east", "west"], 50e6, tag="a1b2c3")
+    assert [e.namespace for e in plan.ends] == ["arch-a1b2c3-east", "arch-a1b2c3-west"]
+    assert all(len(e.device) <= IFNAME_MAX for e in plan.ends)
+    assert plan.server.island == "east" and plan.exec_in("west") == ("ip", "netns", "exec", "arch-a1b2c3-west")
+    tbf = [c for c in plan.setup_commands() if c[0] == "tc"]
+    assert [c[c.index("dev") + 1] for c in tbf] == [e.device for e in plan.ends]  # both directions shaped
+    assert all("50000000bit" in c for c in tbf)
+
+
+def test_plan_refusals():
+    with pytest.raises(ValueError, match="exactly two"):
+        LinkPlan.for_islands(["east", "west", "north"], 50e6)
+    with pytest.raises(ValueError, match="exactly two"):
+        LinkPlan.for_islands(["east", "east"], 50e6)
+    with pytest.raises(ValueError, match="tag"):
+        LinkPlan.for_islands(["east", "west"], 50e6, tag="Bad-Tag")
+    with pytest.raises(ValueError, match="rate"):
+        LinkPlan.for_islands(["east", "west"], 100, tag="a1")
+    plan = LinkPlan.for_islands(["east", "west"], 50e6, tag="a1")
+    with pytest.raises(ValueError, match="already exists"):
+        plan.validate({"arch-a1-west"})
+
+
+def test_link_bytes_are_each_ends_transmissions():
+    plan = LinkPlan.for_islands(["east", "west"], 50e6, tag="a1")
+    before = {"east": {"tx_bytes": 100, "rx_bytes": 10}, "west": {"tx_bytes": 5, "rx_bytes": 95}}
+    after = {"east": {"tx_bytes": 1100, "rx_bytes": 310}, "west": {"tx_bytes": 305, "rx_bytes": 1095}}
+    assert link_bytes(before, after, plan) == {"east_to_west": 1000, "west_to_east": 300, "total": 1300,
+                                               "total_seen_by_receivers": 1300}
