@@ -257,15 +257,18 @@ def teardown(plan: LinkPlan, driver: subprocess.Popen | None) -> None:
 
 def calibrate_step_seconds(spec, repeats: int = 5) -> float:
     """Median seconds of one per-step all-reduce step's compute here: forward, backward and AdamW on
-    the largest island's share of the global batch, with the threads each of its ranks gets."""
+    the largest island's share of the global batch (the baseline spreads each shard's rows evenly
+    over its steps), with the threads each of its ranks gets."""
     import torch
-    from training.baseline import baseline_optimizer
+    from training.baseline import BaselinePlan, baseline_optimizer
     from training.learner import build_model
 
     torch.set_num_threads(dp_threads(len(spec.islands)))
     model = build_model(spec)
     optimizer = baseline_optimizer(spec, model)
-    rows = max(sum(s.island.batch_size for s in spec.learners if s.island.name == i.name) for i in spec.islands)
+    plan = BaselinePlan.of(spec)
+    rows = max(-(-sum(r for r, s in zip(plan.planned_rows, plan.slots) if s.island.name == i.name) // plan.steps)
+               for i in spec.islands)
     data = torch.randint(0, 256, (rows, spec.max_seq_len + 1))
     times = []
     for _ in range(repeats + 1):
