@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.drive:
-        return drive(json.loads(Path(args.drive).read_text()))
+        try:
+            return drive(json.loads(Path(args.drive).read_text()))
+        except KeyboardInterrupt:
+            return 130  # the root side tears everything down
 
     require_root_and_tools()
     from infra.spec import load_spec
@@ -347,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         code = driver.wait()
         if code:
             raise SystemExit(f"the bench driver failed (exit status {code}); see its output above")
+    except KeyboardInterrupt:
+        log("interrupted: tearing down")
+        return 130
     finally:
         teardown(plan, driver)
         shutil.rmtree(workdir, ignore_errors=True)
