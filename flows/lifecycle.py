@@ -17,7 +17,7 @@ from prefect import flow
 from infra.results import result_storage
 from infra.spec import RunSpec
 from tasks.data import prepare_data
-from tasks.evaluation import evaluate_models, publish_report
+from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
 from tasks.segments import island_segments
 from tasks.setup import new_run_id, start_run
 from tasks.training import consolidate_learners, train_learner, train_standard
@@ -40,7 +40,10 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     consensus = consolidate_learners(spec, run_id)
     baseline = train_standard(spec, run_id)
     evals = evaluate_models(spec, run_id)
-    return publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
+    curve = evaluate_curve_points(spec, run_id)
+    report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
+    publish_figures(spec, run_id, report["communication"], curve)
+    return report
 
 
 def run_lifecycle(spec: RunSpec, run_id: str, islands_via: Literal["tasks", "deployments"] = "tasks") -> dict:
