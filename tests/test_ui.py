@@ -127,9 +127,9 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
             artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
                 any_=["bpb-table", "bpb-curve", "bpb-vs-tokens", "communication", "utilisation", "run-report",
                       "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1"])))
-            return done, segments, retried, tasks, artifacts
+            return deployment, done, segments, retried, tasks, artifacts
 
-    done, segments, retried, tasks, artifacts = asyncio.run(scenario())
+    deployment, done, segments, retried, tasks, artifacts = asyncio.run(scenario())
     assert done.state.is_completed(), done.state.message
     run_id = f"ui-{done.name}"
 
@@ -151,7 +151,12 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
     assert by_key["bpb-vs-tokens-png"].data.startswith("[bpb-vs-tokens.png in the run's store](file://")
     assert {a.data for k, a in by_key.items() if k.startswith("progress-")} == {100.0}
 
-    # What a person sees.
+    # What a person sees: the run spec as the deployment's run form (titles, descriptions, dropdowns)...
+    form = render(f"{ui}/deployments/deployment/{deployment.id}/run", OUTPUT / "0-run-form.png",
+                  ["Inner Steps", "Bytes per training sequence."])
+    assert "Inner Steps" in form and "Bytes per training sequence." in form and "Windows" in form
+    assert re.search(r'<option[^>]*value="allreduce"', form), "the sync mode is not a dropdown"
+    # ...the run, its task graph, an island's segment on its work pool, and the artifacts.
     run_page = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "1-run.png", [done.name, "Completed"])
     assert done.name in run_page and "Completed" in run_page
     graph_page = render(f"{ui}/runs/flow-run/{retried.id}?tab=Task%20Runs", OUTPUT / "2-lifecycle-task-graph.png",
@@ -161,7 +166,7 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
         assert name in graph_page
     east = next(s for s in segments if s.work_pool_name == "island-east")
     segment_page = render(f"{ui}/runs/flow-run/{east.id}", OUTPUT / "3-east-segment.png", [east.name])
-    assert east.name in segment_page
+    assert east.name in segment_page and "Work Pool" in segment_page and "island-east" in segment_page
     plot_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-vs-tokens'].id}", OUTPUT / "4-bpb-vs-tokens.png",
                        ["data:image/png;base64,"])
     assert re.search(r'<img[^>]+src="data:image/png;base64,', plot_page), "the plot did not render as an image"
@@ -169,4 +174,4 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
                         ["islands_bpb"])
     assert "islands_bpb" in table_page and "prose" in table_page and "code" in table_page
     assert all((OUTPUT / f).stat().st_size > 10_000 for f in
-               ("1-run.png", "2-lifecycle-task-graph.png", "3-east-segment.png", "4-bpb-vs-tokens.png", "5-bpb-table.png"))
+               ("0-run-form.png", "1-run.png", "2-lifecycle-task-graph.png", "3-east-segment.png", "4-bpb-vs-tokens.png", "5-bpb-table.png"))
