@@ -6,10 +6,11 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from infra import layout
-from infra.spec import RunSpec, SpecError, StoreSpec, load_spec
+from infra.spec import RunSpec, SpecError, StoreSpec, check_windows_ahead, load_spec
 from infra.store import ObjectStore, StoreError, run_store
 
 # Ephemeral Prefect: no telemetry off the machine, and room for a slow first start (database migrations).
@@ -55,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        check_windows_ahead(spec, datetime.now(timezone.utc))
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if any(island.windows for island in spec.islands):
+        print("note: capacity windows are kept by runs started from the `lifecycle` deployment "
+              "(archipelago serve); `run` trains every island now", file=sys.stderr)
     from tasks.setup import new_run_id
 
     return _launch(spec, new_run_id(spec), args.report)
