@@ -206,7 +206,15 @@ class FailStage(SpecModel):
     stage: Literal["evaluate", "report", "consolidate", "baseline"] = Field(description="Stage that fails once.")
 
 
-Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage], Field(discriminator="kind")]
+class CloseWindow(SpecModel):
+    kind: Literal["close_window"] = Field(
+        description="End a learner's capacity window right after a round, once, as when a reservation is cut "
+                    "short: it stops as at a window's end and resumes in the island's next window.")
+    learner: int = Field(ge=0, description="Global learner index.")
+    round: int = Field(ge=0, description="Round after which its window closes.")
+
+
+Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage, CloseWindow], Field(discriminator="kind")]
 
 
 class EvalSpec(SpecModel):

@@ -96,3 +96,71 @@ def test_a_learner_process_past_its_window_exits_cleanly_without_training(one_le
                 spec.store.url, None, "windows", lines.append)
     assert any('"window_closed"' in line for line in lines)
     assert not any(store.is_committed(layout.checkpoint(0, t)) for t in range(5))
+
+
+def _segments_through_windows(spec, run_id):
+    """island_segments with the deployment dispatch done in-process: the real `segment` flow and
+    learner processes, without a server and workers (tests/test_ui.py covers those)."""
+    from types import SimpleNamespace
+
+    from prefect import flow
+    from prefect.states import Completed
+
+    import tasks.segments as segments
+    from flows.deployments import segment
+
+    dispatched = []
+
+    def run_deployment_here(name, parameters, scheduled_time, flow_run_name, poll_interval):
+        dispatched.append((name, scheduled_time, parameters["until"]))
+        segment(**parameters)
+        return SimpleNamespace(state=Completed(), name=flow_run_name, work_pool_name=segments.island_pool("east"))
+
+    @flow
+    def drive():
+        return segments.island_segments(spec, run_id, "east")
+
+    original = segments.run_deployment
+    segments.run_deployment = run_deployment_here
+    try:
+        return drive(), dispatched
+    finally:
+        segments.run_deployment = original
+
+
+def windowed_run(tmp_path, windows, close_after_round):
+    spec = parse_spec({**TINY, "islands": [{**TINY["islands"][0], "learners": 1, "windows": windows}],
+                       "sync": {**TINY["sync"], "rounds": 4}, "store": {"url": str(tmp_path / "store")},
+                       "faults": [{"kind": "close_window", "learner": 0, "round": close_after_round}]})
+    run_id = f"windows-{tmp_path.name}"
+    store = ObjectStore(spec.store.url).child(f"runs/{run_id}")
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, store)
+    return spec, run_id, store
+
+
+def test_an_island_pauses_at_its_window_end_and_resumes_in_its_next_window(tmp_path, prefect_api):
+    now = datetime.now(timezone.utc)
+    windows = [{"start": (now + timedelta(hours=1)).isoformat(), "end": (now + timedelta(hours=2)).isoformat()},
+               {"start": (now - timedelta(minutes=1)).isoformat(), "end": (now + timedelta(hours=1)).isoformat()}]
+    spec, run_id, store = windowed_run(tmp_path, windows, close_after_round=1)
+
+    result, dispatched = _segments_through_windows(spec, run_id)
+
+    first, second = spec.islands[0].ordered_windows
+    assert dispatched == [("segment/island-east", first.start_at, first.end_at.isoformat()),
+                          ("segment/island-east", second.start_at, second.end_at.isoformat())]
+    assert [s["work_pool"] for s in result["segments"]] == ["island-east", "island-east"]
+    summary = store.get_json(layout.learner_summary(0))
+    assert [r["round"] for r in summary["rounds"]] == [0, 1, 2, 3]  # no committed round lost or redone
+    assert summary["rejoined_from"] == {"learner": 0, "round": 1}
+    assert all(store.is_committed(layout.checkpoint(0, t)) for t in range(4))
+
+
+def test_an_island_out_of_windows_fails_saying_so(tmp_path, prefect_api):
+    now = datetime.now(timezone.utc)
+    spec, run_id, store = windowed_run(
+        tmp_path, [{"start": now.isoformat(), "end": (now + timedelta(hours=1)).isoformat()}], close_after_round=0)
+    with pytest.raises(RuntimeError, match="island east: its capacity windows ended before its learners finished"):
+        _segments_through_windows(spec, run_id)
+    assert store.is_committed(layout.checkpoint(0, 0)) and not store.exists(layout.learner_summary(0))

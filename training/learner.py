@@ -31,7 +31,7 @@ from infra import layout
 from infra.faults import StoreFaults
 from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
-from infra.spec import CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
+from infra.spec import CloseWindow, CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
 from infra.store import IntegrityError, ObjectExists, ObjectStore
 from training.data import WindowSampler, read_stream
 from training.mixing import butterfly_partner, mix_pair, weighted_mean
@@ -321,9 +321,25 @@ class Learner:
                      rounds=self.spec.sync.rounds, loss=round(loss, 4),
                      tokens_per_s=round(done * self.slot.tokens_per_round() / elapsed),
                      eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1))
+            if self._window_cut_short(t):
+                emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=t + 1,
+                     rounds=self.spec.sync.rounds, until="now (fault 'close_window')")
+                return False
         if self.rank == 0:
             self._write_summary()
         return True
+
+    def _window_cut_short(self, round_index: int) -> bool:
+        """Fault injection: the capacity window ends right after this round, once (a marker remembers it)."""
+        cut = torch.tensor(0, device=self.device)
+        if self.rank == 0 and self.spec.fault_at(CloseWindow, self.slot.index, round_index):
+            marker = f"faults/closed-window-{self.slot.index:03d}-round-{round_index:05d}.json"
+            if not self.store.exists(marker):
+                self.store.put_json(marker, {"learner": self.slot.index, "round": round_index})
+                cut.fill_(1)
+        if self.world > 1:
+            dist.broadcast(cut, src=0)
+        return bool(cut.item())
 
     def _round_fits(self, until: datetime, clock: Callable[[], datetime], round_seconds: float) -> bool:
         """Whether one more round (as long as the last one) ends before `until`; rank 0 decides for its group."""
