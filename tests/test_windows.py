@@ -1,5 +1,6 @@
 """Capacity windows: validated in the spec, and a window's end pauses a learner without losing a round."""
 
+import asyncio
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -164,3 +165,18 @@ def test_an_island_out_of_windows_fails_saying_so(tmp_path, prefect_api):
     with pytest.raises(RuntimeError, match="island east: its capacity windows ended before its learners finished"):
         _segments_through_windows(spec, run_id)
     assert store.is_committed(layout.checkpoint(0, 0)) and not store.exists(layout.learner_summary(0))
+
+
+def test_the_lifecycle_deployment_is_scheduled_at_the_earliest_window_start():
+    from prefect.server.schemas.schedules import RRuleSchedule
+
+    from flows.serve import capacity_schedules
+
+    spec = parse_spec(with_windows([
+        {"start": "2026-12-04T09:00:00", "end": "2026-12-04T12:00:00", "timezone": "Europe/Paris"},
+        {"start": "2026-12-03T10:30:00", "end": "2026-12-03T11:00:00", "timezone": "Europe/Paris"}]))
+    (schedule,) = capacity_schedules(spec, NOW)
+    assert schedule.timezone == "Europe/Paris"
+    (first,) = asyncio.run(RRuleSchedule(rrule=schedule.rrule, timezone=schedule.timezone).get_dates(n=5, start=NOW))
+    assert first == datetime(2026, 12, 3, 9, 30, tzinfo=timezone.utc)
+    assert capacity_schedules(parse_spec(TINY), NOW) == []
