@@ -308,8 +308,7 @@ class Learner:
         round_seconds = 0.0
         for t in range(self.start_round, self.spec.sync.rounds):
             if until is not None and not self._round_fits(until, clock, round_seconds):
-                emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=t,
-                     rounds=self.spec.sync.rounds, until=until.isoformat())
+                self._window_closed(t, until.isoformat())
                 return False
             round_started = time.monotonic()
             loss = self.run_round(t)
@@ -322,15 +321,21 @@ class Learner:
                      tokens_per_s=round(done * self.slot.tokens_per_round() / elapsed),
                      eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1))
             if self._window_cut_short(t):
-                emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=t + 1,
-                     rounds=self.spec.sync.rounds, until="now (fault 'close_window')")
+                self._window_closed(t + 1, "now (fault 'close_window')")
                 return False
         if self.rank == 0:
             self._write_summary()
         return True
 
+    def _window_closed(self, next_round: int, until: str) -> None:
+        if self.rank == 0:
+            emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=next_round,
+                 rounds=self.spec.sync.rounds, until=until)
+
     def _window_cut_short(self, round_index: int) -> bool:
         """Fault injection: the capacity window ends right after this round, once (a marker remembers it)."""
+        if not self.spec.faults_of(CloseWindow):
+            return False
         cut = torch.tensor(0, device=self.device)
         if self.rank == 0 and self.spec.fault_at(CloseWindow, self.slot.index, round_index):
             marker = f"faults/closed-window-{self.slot.index:03d}-round-{round_index:05d}.json"
