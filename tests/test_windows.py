@@ -180,3 +180,18 @@ def test_the_lifecycle_deployment_is_scheduled_at_the_earliest_window_start():
     (first,) = asyncio.run(RRuleSchedule(rrule=schedule.rrule, timezone=schedule.timezone).get_dates(n=5, start=NOW))
     assert first == datetime(2026, 12, 3, 9, 30, tzinfo=timezone.utc)
     assert capacity_schedules(parse_spec(TINY), NOW) == []
+
+
+def test_a_torchrun_group_pauses_together_after_a_committed_round(tmp_path):
+    spec = parse_spec({**TINY, "islands": [{**TINY["islands"][1], "learners": 1}],
+                       "sync": {**TINY["sync"], "rounds": 3}, "store": {"url": str(tmp_path / "store")},
+                       "faults": [{"kind": "close_window", "learner": 0, "round": 0}]})
+    store = ObjectStore(spec.store.url).child("runs/group")
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, store)
+    lines = []
+    run_learner(LearnerProcess(0, 2, 1), spec.store.url, None, "group", lines.append)
+    assert sum('"window_closed"' in line for line in lines) == 1  # rank 0 speaks for the group
+    assert store.is_committed(layout.checkpoint(0, 0)) and not store.is_committed(layout.checkpoint(0, 1))
+    run_learner(LearnerProcess(0, 2, 1), spec.store.url, None, "group", lines.append)
+    assert [r["round"] for r in store.get_json(layout.learner_summary(0))["rounds"]] == [0, 1, 2]
