@@ -133,7 +133,8 @@ def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
     job_variables = {"working_dir": str(root), "env": {"PYTHONPATH": str(root)}}
     ids = {LIFECYCLE_DEPLOYMENT: archipelago.from_source(str(root), "flows/deployments.py:archipelago").deploy(
         name="lifecycle", work_pool_name=CONTROL_POOL, job_variables=job_variables,
-        parameters={"spec": spec.model_dump(mode="json")}, schedules=capacity_schedules(spec, datetime.now(timezone.utc)),
+        parameters={"spec": spec.model_dump(mode="json")},
+        schedules=capacity_schedules(spec, datetime.now(timezone.utc)),
         description="Start an Archipelago run: its parameters form is the run spec.", print_next_steps=False,
         ignore_warnings=True)}
     for island in spec.islands:

@@ -70,8 +70,10 @@ def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list
     """
     store = run_store(spec.store, run_id)
     summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
-    pngs = {"bpb-vs-tokens": (figures.bpb_versus_tokens(curve, CURVE_EVAL_BYTES), "Bits per byte versus tokens, islands and standard"),
-            "communication": (figures.communication(communication), "Inter-island bytes vs per-step all-reduce; store traffic per learner"),
+    pngs = {"bpb-vs-tokens": (figures.bpb_versus_tokens(curve, CURVE_EVAL_BYTES),
+                              "Bits per byte versus tokens, islands and standard"),
+            "communication": (figures.communication(communication),
+                              "Inter-island bytes vs per-step all-reduce; store traffic per learner"),
             "utilisation": (figures.utilisation(summaries), "Time computing vs synchronising, per learner")}
     addresses = {}
     for name, (png, description) in pngs.items():

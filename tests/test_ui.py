@@ -41,8 +41,8 @@ def render(url: str, screenshot: Path, expect: list[str]) -> str:
     for budget in (15_000, 40_000):  # a busy machine may need longer for the app to fetch and draw
         with tempfile.TemporaryDirectory() as profile:
             dom = subprocess.run(
-                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  f"--user-data-dir={profile}", "--window-size=1400,1000", f"--virtual-time-budget={budget}",
                  f"--screenshot={screenshot}", "--dump-dom", url],
                 capture_output=True, text=True, timeout=120).stdout
@@ -173,5 +173,6 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
     table_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-table'].id}", OUTPUT / "5-bpb-table.png",
                         ["islands_bpb"])
     assert "islands_bpb" in table_page and "prose" in table_page and "code" in table_page
-    assert all((OUTPUT / f).stat().st_size > 10_000 for f in
-               ("0-run-form.png", "1-run.png", "2-lifecycle-task-graph.png", "3-east-segment.png", "4-bpb-vs-tokens.png", "5-bpb-table.png"))
+    assert all((OUTPUT / f).stat().st_size > 10_000 for f in (
+        "0-run-form.png", "1-run.png", "2-lifecycle-task-graph.png", "3-east-segment.png", "4-bpb-vs-tokens.png",
+        "5-bpb-table.png"))

@@ -300,7 +300,8 @@ class Learner:
         emit("missed_exchange", learner=self.slot.index, peer=peer, round=round_index, reason=reason)
         return None
 
-    def run(self, until: datetime | None = None, clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> bool:
+    def run(self, until: datetime | None = None,
+            clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> bool:
         """Train the remaining rounds; with `until` (a capacity window's end), stop before a round
         that would not finish in time. Returns False when the window closed first: every finished
         round is checkpointed, and the next segment resumes from the newest checkpoint."""
