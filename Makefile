@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test bench ui browser clean
 
 setup: $(VENV)/.installed
 
@@ -16,8 +16,16 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/archipelago run configs/demo.yaml --report reports/demo.json
 
-test: setup
+test: setup browser
 	$(BIN)/python -m pytest
+
+# The browser test renders the Prefect UI in Debian's headless Chromium; install it when missing.
+browser:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium)
+
+# A local Prefect server, a process work pool and worker per island, and the deployments; Ctrl-C stops all.
+ui: setup
+	$(BIN)/archipelago serve configs/demo.yaml --port $(or $(PORT),4200)
 
 bench: setup
 	$(BIN)/python bench/inner_loop.py

@@ -6,10 +6,11 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 
 from infra import layout
-from infra.spec import RunSpec, SpecError, StoreSpec, load_spec
+from infra.spec import RunSpec, SpecError, StoreSpec, check_windows_ahead, load_spec
 from infra.store import ObjectStore, StoreError, run_store
 
 # Ephemeral Prefect: no telemetry off the machine, and room for a slow first start (database migrations).
@@ -55,6 +56,14 @@ def run(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        check_windows_ahead(spec, datetime.now(timezone.utc))
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if any(island.windows for island in spec.islands):
+        print("note: capacity windows are kept by runs started from the `lifecycle` deployment "
+              "(archipelago serve); `run` trains every island now", file=sys.stderr)
     from tasks.setup import new_run_id
 
     return _launch(spec, new_run_id(spec), args.report)
@@ -72,6 +81,19 @@ def resume(args: argparse.Namespace) -> int:
     return _launch(spec, args.run_id, args.report)
 
 
+def serve(args: argparse.Namespace) -> int:
+    """A local Prefect server, a process work pool and worker per island, and the deployments."""
+    try:
+        spec = load_spec(args.config)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from flows.serve import serve as serve_spec
+
+    serve_spec(spec, args.port, Path(args.home).resolve(), Path(args.logs).resolve())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="archipelago", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     resume_parser.add_argument("--endpoint-url", default=None, help="S3 endpoint, if not $AWS_ENDPOINT_URL")
     resume_parser.add_argument("--report", help="write the report JSON here")
     resume_parser.set_defaults(handler=resume)
+    serve_parser = commands.add_parser(
+        "serve", help="start a Prefect server, one worker per island's work pool, and the deployments")
+    serve_parser.add_argument("config", nargs="?", default="configs/demo.yaml",
+                              help="run spec: its islands get work pools, and it pre-fills the UI's form")
+    serve_parser.add_argument("--port", type=int, default=4200, help="Prefect server and UI port")
+    serve_parser.add_argument("--home", default=".archipelago/prefect", help="the server's PREFECT_HOME")
+    serve_parser.add_argument("--logs", default=".archipelago/logs", help="server and worker logs")
+    serve_parser.set_defaults(handler=serve)
     args = parser.parse_args(argv)
     return args.handler(args)
 

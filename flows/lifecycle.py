@@ -10,31 +10,43 @@ retried or resumed run re-executes only the stages that did not complete.
 from __future__ import annotations
 
 import time
+from typing import Literal
 
 from prefect import flow
 
 from infra.results import result_storage
 from infra.spec import RunSpec
 from tasks.data import prepare_data
-from tasks.evaluation import evaluate_models, publish_report
+from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
+from tasks.segments import island_segments
 from tasks.setup import new_run_id, start_run
 from tasks.training import consolidate_learners, train_learner, train_standard
 
 
 @flow(name="lifecycle", persist_result=True)
-def lifecycle(spec: RunSpec, run_id: str | None = None) -> dict:
+def lifecycle(spec: RunSpec, run_id: str | None = None,
+              islands_via: Literal["tasks", "deployments"] = "tasks") -> dict:
+    """`islands_via`: "tasks" runs every learner from this flow's own process; "deployments" runs
+    each island's segments as runs of that island's deployment, on the island's own work pool."""
     started = time.monotonic()
     run_id = start_run(spec, run_id or new_run_id(spec))
     prepare_data(spec, run_id)
-    segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index) for slot in spec.learners]
-    for learner in segments:
-        learner.result()
+    if islands_via == "deployments":
+        segments = [island_segments.submit(spec, run_id, island.name) for island in spec.islands]
+    else:
+        segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index) for slot in spec.learners]
+    for segment in segments:
+        segment.result()
     consensus = consolidate_learners(spec, run_id)
     baseline = train_standard(spec, run_id)
     evals = evaluate_models(spec, run_id)
-    return publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
+    curve = evaluate_curve_points(spec, run_id)
+    report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
+    publish_figures(spec, run_id, report["communication"], curve)
+    return report
 
 
-def run_lifecycle(spec: RunSpec, run_id: str) -> dict:
+def run_lifecycle(spec: RunSpec, run_id: str, islands_via: Literal["tasks", "deployments"] = "tasks") -> dict:
     """Run (or resume) the lifecycle with its stage results kept in the run's own store."""
-    return lifecycle.with_options(result_storage=result_storage(spec.store))(spec=spec, run_id=run_id)
+    return lifecycle.with_options(result_storage=result_storage(spec.store))(spec=spec, run_id=run_id,
+                                                                           islands_via=islands_via)

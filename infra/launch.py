@@ -12,6 +12,10 @@ import sys
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
+
+# Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
+WINDOW_CLOSED = 75
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,7 @@ class LearnerProcess:
     learner: int
     processes: int
     threads: int
+    until: datetime | None = None  # the end of the island's capacity window
     # Prepended to the command line, e.g. `ip netns exec NS` to run in an island's network namespace.
     wrapper: tuple[str, ...] = ()
 
@@ -31,6 +36,8 @@ class LearnerProcess:
                 "--threads", str(self.threads)]
         if endpoint_url:
             args += ["--endpoint-url", endpoint_url]
+        if self.until:
+            args += ["--until", self.until.isoformat()]
         return [*self.wrapper, *launcher, *args]
 
 
@@ -40,7 +47,9 @@ class LearnerFailed(RuntimeError):
 
 def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | None, run_id: str,
                 on_line: Callable[[str], None]) -> None:
-    """Run one learner until it exits, relaying its output lines; raise with its last lines if it failed."""
+    """Run one learner until it exits, relaying its output lines; raise with its last lines if it failed.
+    A learner that stopped at its capacity window's end exits cleanly too; the caller tells a pause
+    from the end by the learner's summary, which only a learner that trained every round writes."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads)}
     proc = subprocess.Popen(learner.command(store_url, endpoint_url, run_id), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
@@ -49,6 +58,6 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
         tail.append(line.rstrip("\n"))
         on_line(tail[-1])
     code = proc.wait()
-    if code != 0:
+    if code not in (0, WINDOW_CLOSED):
         cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         raise LearnerFailed(f"learner {learner.learner} failed ({cause}); its last output:\n" + "\n".join(tail))

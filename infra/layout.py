@@ -8,6 +8,7 @@ SPEC = "spec.json"
 DATA_MANIFEST = "data/manifest.json"
 CONSOLIDATED = "models/consolidated"
 BASELINE = "models/baseline"
+BASELINE_SNAPSHOTS = "models/baseline-snapshots"
 REPORT = "report/report.json"
 
 
@@ -44,3 +45,12 @@ def learner_started(learner: int) -> str:
 
 def learner_summary(learner: int) -> str:
     return f"{learner_prefix(learner)}/summary.json"
+
+
+def baseline_snapshot(step: int) -> str:
+    """Standard training's weights after a step, for the bpb-versus-tokens curve."""
+    return f"{BASELINE_SNAPSHOTS}/step-{step:06d}"
+
+
+def figure(name: str) -> str:
+    return f"report/figures/{name}.png"

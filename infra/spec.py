@@ -8,8 +8,10 @@ form a user fills in to start a run.
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal, Union
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,6 +21,38 @@ class SpecModel(BaseModel):
     """Base for spec sections: unknown fields are errors, not silently ignored settings."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CapacityWindow(SpecModel):
+    """A span of time in which an island's capacity is reserved for this run."""
+
+    start: datetime = Field(description="When the reservation starts (local time in `timezone`, or with an offset).")
+    end: datetime = Field(description="When it ends: a segment stops cleanly (checkpoint, then exit) before this.")
+    timezone: str = Field("UTC", description="IANA timezone of start and end, e.g. Europe/Paris.")
+
+    @model_validator(mode="after")
+    def _ordered_in_a_known_zone(self) -> "CapacityWindow":
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown timezone {self.timezone!r}") from None
+        if self.end_at <= self.start_at:
+            raise ValueError(f"window ends ({self.end}) before it starts ({self.start})")
+        return self
+
+    def _aware(self, moment: datetime) -> datetime:
+        return moment.replace(tzinfo=ZoneInfo(self.timezone)) if moment.tzinfo is None else moment
+
+    @property
+    def start_at(self) -> datetime:
+        return self._aware(self.start)
+
+    @property
+    def end_at(self) -> datetime:
+        return self._aware(self.end)
+
+    def describe(self) -> str:
+        return f"{self.start_at.isoformat()} to {self.end_at.isoformat()} ({self.timezone})"
 
 
 class IslandSpec(SpecModel):
@@ -33,6 +67,10 @@ class IslandSpec(SpecModel):
     processes_per_learner: int = Field(
         1, ge=1, le=16,
         description="Data-parallel processes per learner; more than one runs the learner under torchrun.")
+    windows: list[CapacityWindow] = Field(
+        default_factory=list,
+        description="Reserved capacity windows; the island trains only inside them, resuming in the next one. "
+                    "Empty: always available.")
 
     @model_validator(mode="after")
     def _batch_splits_over_processes(self) -> "IslandSpec":
@@ -40,6 +78,18 @@ class IslandSpec(SpecModel):
             raise ValueError(f"batch_size {self.batch_size} must be divisible by "
                              f"processes_per_learner {self.processes_per_learner}")
         return self
+
+    @model_validator(mode="after")
+    def _windows_do_not_overlap(self) -> "IslandSpec":
+        ordered = sorted(self.windows, key=lambda w: w.start_at)
+        for earlier, later in zip(ordered, ordered[1:]):
+            if later.start_at < earlier.end_at:
+                raise ValueError(f"island {self.name}: window {later.describe()} overlaps {earlier.describe()}")
+        return self
+
+    @property
+    def ordered_windows(self) -> list[CapacityWindow]:
+        return sorted(self.windows, key=lambda w: w.start_at)
 
 
 class MoESpec(SpecModel):
@@ -156,7 +206,15 @@ class FailStage(SpecModel):
     stage: Literal["evaluate", "report", "consolidate", "baseline"] = Field(description="Stage that fails once.")
 
 
-Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage], Field(discriminator="kind")]
+class CloseWindow(SpecModel):
+    kind: Literal["close_window"] = Field(
+        description="End a learner's capacity window right after a round, once, as when a reservation is cut "
+                    "short: it stops as at a window's end and resumes in the island's next window.")
+    learner: int = Field(ge=0, description="Global learner index.")
+    round: int = Field(ge=0, description="Round after which its window closes.")
+
+
+Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage, CloseWindow], Field(discriminator="kind")]
 
 
 class EvalSpec(SpecModel):
@@ -226,6 +284,15 @@ class LearnerSlot(BaseModel):
 
 class SpecError(ValueError):
     """A run specification that cannot run; the message names the offending field."""
+
+
+def check_windows_ahead(spec: RunSpec, now: datetime) -> None:
+    """At submission, a window that has already ended cannot be reserved capacity for this run."""
+    for n, island in enumerate(spec.islands):
+        for w, window in enumerate(island.windows):
+            if window.end_at <= now:
+                raise SpecError(f"islands.{n}.windows.{w}: island {island.name}'s window {window.describe()} "
+                                f"has already ended (now {now.isoformat()})")
 
 
 def parse_spec(raw: dict) -> RunSpec:

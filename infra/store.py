@@ -111,6 +111,10 @@ class ObjectStore:
     def _path(self, key: str) -> str:
         return f"{self.root}/{validate_key(key)}"
 
+    def address(self, key: str) -> str:
+        """Where a person finds an object: its file:// or s3:// URL."""
+        return Path(self._path(key)).as_uri() if self.is_local else f"s3://{self._path(key)}"
+
     def _call(self, describe: str, fn, *args, policy: RetryPolicy | None = None):
         def count(attempt, error, delay):
             self._shared.stats["retries"] += 1

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+import base64
 
+from prefect import get_run_logger, task
+from prefect.artifacts import (create_image_artifact, create_link_artifact, create_markdown_artifact,
+                               create_table_artifact)
+
+from eval import figures
+from eval.curve import CURVE_EVAL_BYTES, evaluate_curve
 from eval.evaluate import evaluate
 from eval.report import build_report, evaluation_table, fault_report, settings_markdown
 from infra import layout
@@ -44,3 +49,38 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
     create_markdown_artifact(settings_markdown(spec, report), key="run-report",
                              description=f"Settings and communication of {run_id}")
     return report
+
+
+@task(name="evaluate-curve", cache_policy=STAGE_CACHE, persist_result=True)
+def evaluate_curve_points(spec: RunSpec, run_id: str) -> list[dict]:
+    """Both arms at a few matching token counts, for the bpb-versus-tokens plot."""
+    points = evaluate_curve(spec, run_store(spec.store, run_id))
+    create_table_artifact([{**p, "bpb": round(p["bpb"], 5)} for p in points], key="bpb-curve",
+                          description=f"Bits per byte along training, both arms, first {CURVE_EVAL_BYTES:,} bytes "
+                                      f"of each held-out set ({run_id})")
+    return points
+
+
+@task(name="figures", cache_policy=STAGE_CACHE, persist_result=True)
+def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list[dict]) -> dict:
+    """PNG figures in the run's store, each shown as an image artifact with a link to the stored file.
+
+    The image artifact carries the PNG itself (a data URL): the UI shows it whether the store is a
+    local folder or a private bucket the browser cannot read.
+    """
+    store = run_store(spec.store, run_id)
+    summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
+    pngs = {"bpb-vs-tokens": (figures.bpb_versus_tokens(curve, CURVE_EVAL_BYTES),
+                              "Bits per byte versus tokens, islands and standard"),
+            "communication": (figures.communication(communication),
+                              "Inter-island bytes vs per-step all-reduce; store traffic per learner"),
+            "utilisation": (figures.utilisation(summaries), "Time computing vs synchronising, per learner")}
+    addresses = {}
+    for name, (png, description) in pngs.items():
+        store.put_bytes(layout.figure(name), png)
+        addresses[name] = store.address(layout.figure(name))
+        create_image_artifact(f"data:image/png;base64,{base64.b64encode(png).decode()}", key=name,
+                              description=f"{description} ({run_id})")
+        create_link_artifact(addresses[name], link_text=f"{name}.png in the run's store", key=f"{name}-png",
+                             description=f"{description}: the PNG file ({run_id})")
+    return addresses

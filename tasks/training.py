@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from datetime import datetime
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
+from infra import layout
 from infra.launch import LearnerProcess, run_learner
 from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
@@ -25,14 +27,17 @@ def threads_per_process(spec: RunSpec) -> int:
 
 @task(name="train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1,
       cache_policy=STAGE_CACHE, persist_result=True)
-def train_learner(spec: RunSpec, run_id: str, island: str, learner: int) -> dict:
+def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: datetime | None = None) -> dict:
     """One learner of an island's segment, as its own OS process (a torchrun group if it has several).
 
     A learner that dies is retried by Prefect and resumes from the newest checkpoint it can trust.
+    With `until` (the end of the island's capacity window) it stops cleanly before a round that
+    would not finish in time; `finished` says whether it trained every round.
     """
     logger = get_run_logger()
     island_spec = spec.learners[learner].island
-    progress = create_progress_artifact(0.0, description=f"Rounds completed by learner {learner} on {island}")
+    progress = create_progress_artifact(0.0, key=f"progress-learner-{learner}",
+                                        description=f"Rounds completed by learner {learner} on {island} ({run_id})")
 
     def relay(line: str) -> None:
         try:
@@ -44,14 +49,18 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int) -> dict
             logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
                         event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
             update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
+        elif event.get("event") == "window_closed":
+            logger.warning("capacity window ends %s: stopping before round %d/%d; the next window resumes here",
+                           event["until"], event["next_round"] + 1, event["rounds"])
         elif event.get("event") in ("missed_exchange", "fault", "corrupt_checkpoint"):
             logger.warning("%s", event)
         else:
             logger.info("%s", event)
 
-    run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec)),
+    run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until),
                 spec.store.url, spec.store.endpoint_url, run_id, relay)
-    return {"learner": learner, "island": island}
+    return {"learner": learner, "island": island,
+            "finished": run_store(spec.store, run_id).exists(layout.learner_summary(learner))}
 
 
 @task(name="consolidate", cache_policy=STAGE_CACHE, persist_result=True)

@@ -36,3 +36,12 @@ def test_unreachable_store_is_refused_before_training(tmp_path, capsys, monkeypa
 def test_resume_of_an_unknown_run_names_it(tmp_path, capsys):
     assert main(["resume", "no-such-run", "--store", str(tmp_path)]) == 2
     assert "no-such-run" in capsys.readouterr().err
+
+
+def test_a_capacity_window_already_over_is_refused_naming_island_and_window(tmp_path, capsys):
+    raw = demo_raw()
+    raw["islands"][1]["windows"] = [{"start": "2020-01-06T09:00:00", "end": "2020-01-06T17:00:00",
+                                     "timezone": "Asia/Tokyo"}]
+    assert main(["run", write_config(tmp_path, islands=raw["islands"])]) == 2
+    err = capsys.readouterr().err
+    assert "islands.1.windows.0" in err and "west" in err and "has already ended" in err

@@ -73,6 +73,6 @@ def test_a_failed_evaluation_reruns_only_evaluation_and_report(s3_env, prefect_a
     states = _task_states(retried.id)
     executed = {name for name, state in states.items() if state == "Completed"}
     cached = {name for name, state in states.items() if state == "Cached"}
-    assert {n.rsplit("-", 1)[0] for n in executed} == {"evaluate", "report"}
+    assert {n.rsplit("-", 1)[0] for n in executed} == {"evaluate", "evaluate-curve", "report", "figures"}
     assert {n.rsplit("-", 1)[0] for n in cached} >= {"start-run", "prepare-data", "consolidate", "train-standard-baseline"}
     assert sum(n.startswith("train-") and "-learner-" in n for n in cached) == 3

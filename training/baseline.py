@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eval.curve import snapshot_steps
 from infra import layout
 from infra.spec import RunSpec
 from training.data import WindowSampler, read_stream
@@ -83,6 +84,7 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
     model = build_model(spec)
     optimizer = baseline_optimizer(spec, model)
     tokens, started = 0, time.monotonic()
+    snapshots = set(snapshot_steps(spec.sync.rounds, steps))
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, steps, spec.sync.inner_lr, spec.sync.warmup_steps)
@@ -91,6 +93,9 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         tokens += total
+        if step in snapshots and step != steps - 1:
+            store.commit_tensors(layout.baseline_snapshot(step), {"weights": flat_parameters(model)},
+                                 {"tokens": tokens, "step": step})
         if step % 25 == 0 or step == steps - 1:
             elapsed = time.monotonic() - started
             progress({"step": step + 1, "steps": steps, "loss": round(loss_sum, 4),

@@ -20,15 +20,18 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
 
 from infra import layout
 from infra.faults import StoreFaults
+from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
-from infra.spec import CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
+from infra.spec import CloseWindow, CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
 from infra.store import IntegrityError, ObjectExists, ObjectStore
 from training.data import WindowSampler, read_stream
 from training.mixing import butterfly_partner, mix_pair, weighted_mean
@@ -297,10 +300,20 @@ class Learner:
         emit("missed_exchange", learner=self.slot.index, peer=peer, round=round_index, reason=reason)
         return None
 
-    def run(self) -> None:
+    def run(self, until: datetime | None = None,
+            clock: Callable[[], datetime] = lambda: datetime.now(timezone.utc)) -> bool:
+        """Train the remaining rounds; with `until` (a capacity window's end), stop before a round
+        that would not finish in time. Returns False when the window closed first: every finished
+        round is checkpointed, and the next segment resumes from the newest checkpoint."""
         started = time.monotonic()
+        round_seconds = 0.0
         for t in range(self.start_round, self.spec.sync.rounds):
+            if until is not None and not self._round_fits(until, clock, round_seconds):
+                self._window_closed(t, until.isoformat())
+                return False
+            round_started = time.monotonic()
             loss = self.run_round(t)
+            round_seconds = time.monotonic() - round_started
             if self.rank == 0:
                 done = t + 1 - self.start_round
                 elapsed = time.monotonic() - started
@@ -308,8 +321,39 @@ class Learner:
                      rounds=self.spec.sync.rounds, loss=round(loss, 4),
                      tokens_per_s=round(done * self.slot.tokens_per_round() / elapsed),
                      eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1))
+            if self._window_cut_short(t):
+                self._window_closed(t + 1, "now (fault 'close_window')")
+                return False
         if self.rank == 0:
             self._write_summary()
+        return True
+
+    def _window_closed(self, next_round: int, until: str) -> None:
+        if self.rank == 0:
+            emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=next_round,
+                 rounds=self.spec.sync.rounds, until=until)
+
+    def _window_cut_short(self, round_index: int) -> bool:
+        """Fault injection: the capacity window ends right after this round, once (a marker remembers it)."""
+        if not self.spec.faults_of(CloseWindow):
+            return False
+        cut = torch.tensor(0, device=self.device)
+        if self.rank == 0 and self.spec.fault_at(CloseWindow, self.slot.index, round_index):
+            marker = f"faults/closed-window-{self.slot.index:03d}-round-{round_index:05d}.json"
+            if not self.store.exists(marker):
+                self.store.put_json(marker, {"learner": self.slot.index, "round": round_index})
+                cut.fill_(1)
+        if self.world > 1:
+            dist.broadcast(cut, src=0)
+        return bool(cut.item())
+
+    def _round_fits(self, until: datetime, clock: Callable[[], datetime], round_seconds: float) -> bool:
+        """Whether one more round (as long as the last one) ends before `until`; rank 0 decides for its group."""
+        fits = torch.tensor(int(clock() + timedelta(seconds=round_seconds) < until) if self.rank == 0 else 0,
+                            device=self.device)
+        if self.world > 1:
+            dist.broadcast(fits, src=0)
+        return bool(fits.item())
 
     def run_round(self, t: int) -> float:
         """Inner steps, exchange, outer step, checkpoint. Returns the mean inner loss."""
@@ -369,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-id", required=True, help="run id")
     parser.add_argument("--learner", type=int, required=True, help="global learner index")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
+    parser.add_argument("--until", type=datetime.fromisoformat, default=None,
+                        help="end of the island's capacity window (ISO 8601 with offset): stop cleanly before it")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -383,11 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         learner = Learner(spec, store, args.learner, rank, world)
         learner.resume()
-        learner.run()
+        finished = learner.run(args.until)
     finally:
         if world > 1:
             dist.destroy_process_group()
-    return 0
+    # torchrun reports any non-zero exit as a failure: a group's pause shows as its missing summary instead.
+    return 0 if finished or world > 1 else WINDOW_CLOSED
 
 
 if __name__ == "__main__":

@@ -1,0 +1,69 @@
+"""Bits per byte along training, for both arms: the points of the bpb-versus-tokens plot.
+
+Islands: the token-weighted mean of the learners' checkpoints after a round (what consolidation
+would produce then). Standard training: its snapshots at the step whose token count matches.
+Intermediate points are scored on the first `CURVE_EVAL_BYTES` of each held-out set, to keep
+them cheap; the report's table scores every held-out byte of the final models.
+"""
+
+from __future__ import annotations
+
+import math
+
+from eval.bpb import bits_per_byte
+from infra import layout
+from infra.spec import RunSpec
+from training.data import read_stream
+from training.learner import build_model, load_flat_parameters
+from training.mixing import weighted_mean
+
+CURVE_EVAL_BYTES = 16_384
+CURVE_POINTS = 4
+
+
+def curve_rounds(rounds: int, points: int = CURVE_POINTS) -> list[int]:
+    """Rounds after which both arms are scored, evenly spread and always including the last."""
+    return sorted({math.ceil(rounds * k / points) - 1 for k in range(1, points + 1)})
+
+
+def snapshot_steps(rounds: int, steps: int) -> list[int]:
+    """Standard-training steps (0-based) at which it has seen the islands' tokens after each curve round.
+
+    Both arms consume the same planned rows, the baseline spread evenly over its steps, so
+    after step s it has seen (s + 1) / steps of them, as the islands have after (r + 1) / rounds.
+    """
+    return sorted({max(0, round(steps * (r + 1) / rounds) - 1) for r in curve_rounds(rounds)})
+
+
+def _islands_model(spec: RunSpec, store, round_index: int):
+    weights, tokens = [], []
+    for slot in spec.learners:
+        key = layout.checkpoint(slot.index, round_index)
+        if store.is_committed(key):
+            weights.append(store.read_committed(key)[0]["weights"])
+            tokens.append(slot.tokens_per_round())
+    if not weights:
+        return None, 0
+    model = build_model(spec)
+    load_flat_parameters(model, weighted_mean(weights, tokens))
+    return model, sum(slot.tokens_per_round() for slot in spec.learners) * (round_index + 1)
+
+
+def evaluate_curve(spec: RunSpec, store) -> list[dict]:
+    """[{"arm", "tokens", "eval", "bpb"}] for both arms at matching token counts."""
+    manifest = store.get_json(layout.DATA_MANIFEST)
+    streams = {name: read_stream(store, entry)[:CURVE_EVAL_BYTES + 1] for name, entry in manifest["heldout"].items()}
+    models = []
+    for r in curve_rounds(spec.sync.rounds):
+        model, tokens = _islands_model(spec, store, r)
+        if model is not None:
+            models.append(("islands", tokens, model))
+    snapshots = [key.removesuffix(".json") for key in store.list(layout.BASELINE_SNAPSHOTS) if key.endswith(".json")]
+    for key in snapshots + [layout.BASELINE]:
+        tensors, meta, _ = store.read_committed(key)
+        model = build_model(spec)
+        load_flat_parameters(model, tensors["weights"])
+        models.append(("standard", meta["tokens"], model))
+    return [{"arm": arm, "tokens": tokens, "eval": name,
+             "bpb": bits_per_byte(model, stream, spec.max_seq_len, spec.eval.batch_size)["bpb"]}
+            for arm, tokens, model in models for name, stream in streams.items()]

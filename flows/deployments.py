@@ -1,0 +1,49 @@
+"""The flows that run as deployments: a whole run (`archipelago`) and an island's segment (`segment`).
+
+`archipelago` is what a person starts from the Prefect UI: its parameters form is the run spec.
+It runs the lifecycle with every island's segments as runs of that island's `segment`
+deployment, so each island's learners execute on the island's own work pool. Retrying a failed
+`archipelago` run (the UI's Retry) keeps its flow run, hence its run id: completed stages come
+back from their persisted results and only the rest re-executes.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from infra import layout
+from infra.results import result_storage
+from infra.spec import RunSpec, check_windows_ahead
+from infra.store import run_store
+from tasks.training import train_learner
+
+
+@flow(name="segment", persist_result=False)
+def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = None) -> dict:
+    """The island's learners, each its own OS process, until they finish or the capacity window ends.
+
+    `until`: the window's end; a learner stops before a round that would not finish in time,
+    with that round's predecessor checkpointed, and the next segment resumes from there.
+    """
+    train = train_learner.with_options(result_storage=result_storage(spec.store))
+    learners = [train.submit(spec, run_id, island, slot.index, until)
+                for slot in spec.learners if slot.island.name == island]
+    results = [learner.result() for learner in learners]
+    return {"island": island, "finished": all(r["finished"] for r in results), "learners": results}
+
+
+@flow(name="archipelago")
+def archipelago(spec: RunSpec, run_id: str | None = None) -> dict:
+    """One Archipelago run: data, island segments on the islands' work pools, consolidation,
+    standard baseline, evaluation and report. Leave `run_id` empty for a new run; name an
+    existing run to continue it."""
+    from flows.lifecycle import run_lifecycle
+
+    # The flow run's name survives a retry, so a retried run continues the same run.
+    run_id = run_id or f"{spec.name}-{flow_run.get_name()}"
+    if not run_store(spec.store, run_id).exists(layout.SPEC):
+        check_windows_ahead(spec, datetime.now(timezone.utc))
+    return run_lifecycle(spec, run_id, islands_via="deployments")

@@ -1,0 +1,171 @@
+"""`archipelago serve`: a Prefect server, one process work pool and worker per island, and the deployments.
+
+Work pools: `archipelago` runs the lifecycle (`archipelago/lifecycle`); `island-<name>` runs that
+island's segments (`segment/island-<name>`). Locally each pool is a process pool with one worker;
+on real infrastructure each island's worker runs at the island.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from contextlib import ExitStack, contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+from dateutil.rrule import DAILY, rrule
+
+from infra.spec import RunSpec
+from tasks.segments import island_pool
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONTROL_POOL = "archipelago"
+LIFECYCLE_DEPLOYMENT = "archipelago/lifecycle"
+
+
+def pools_of(spec: RunSpec) -> list[str]:
+    return [CONTROL_POOL] + [island_pool(island.name) for island in spec.islands]
+
+
+def wait_healthy(api_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"no Prefect server answered at {api_url}/health within {timeout_s:.0f} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """Stop a process we started, and its children (it leads its own process group)."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@contextmanager
+def _started(command: list[str], env: dict, log: Path):
+    with log.open("ab") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield process
+    finally:
+        _stop(process)
+
+
+@contextmanager
+def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: float = 120):
+    """A local `prefect server` on loopback; yields its API URL."""
+    home.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_HOST": "127.0.0.1",
+           "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    api_url = f"http://127.0.0.1:{port}/api"
+    with _started([sys.executable, "-m", "prefect", "server", "start"], env, log_dir / "prefect-server.log"):
+        wait_healthy(api_url, startup_timeout_s)
+        yield api_url
+
+
+@contextmanager
+def workers(pools: list[str], api_url: str, log_dir: Path):
+    """One process worker per work pool, each polling every 2 s."""
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "2",
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO_ROOT)}
+    with ExitStack() as stack:
+        for pool in pools:
+            stack.enter_context(_started(
+                [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
+                 "--name", f"{pool}-worker"], env, log_dir / f"worker-{pool}.log"))
+        yield
+
+
+async def _ensure_process_pools(names: list[str]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    async with get_client() as client:
+        for name in names:
+            try:
+                await client.read_work_pool(name)
+            except ObjectNotFound:
+                await client.create_work_pool(WorkPoolCreate(
+                    name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
+                    description="Archipelago control plane" if name == CONTROL_POOL else f"Island {name[7:]}"))
+
+
+def capacity_schedules(spec: RunSpec, now: datetime) -> list:
+    """The lifecycle's schedule when islands have capacity windows: once, at the earliest window's start.
+
+    Each island's segments are then scheduled by the run itself at its own windows' starts.
+    """
+    from prefect.schedules import RRule
+
+    starts = [w for island in spec.islands for w in island.windows if w.start_at > now]
+    if not starts:
+        return []
+    first = min(starts, key=lambda w: w.start_at)
+    local_start = first.start_at.astimezone(ZoneInfo(first.timezone)).replace(tzinfo=None)
+    return [RRule(str(rrule(DAILY, count=1, dtstart=local_start)), timezone=first.timezone)]
+
+
+def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
+    """Work pools and deployments for this spec's islands; returns {deployment name: id}."""
+    from flows.deployments import archipelago, segment
+
+    asyncio.run(_ensure_process_pools(pools_of(spec)))
+    job_variables = {"working_dir": str(root), "env": {"PYTHONPATH": str(root)}}
+    ids = {LIFECYCLE_DEPLOYMENT: archipelago.from_source(str(root), "flows/deployments.py:archipelago").deploy(
+        name="lifecycle", work_pool_name=CONTROL_POOL, job_variables=job_variables,
+        parameters={"spec": spec.model_dump(mode="json")},
+        schedules=capacity_schedules(spec, datetime.now(timezone.utc)),
+        description="Start an Archipelago run: its parameters form is the run spec.", print_next_steps=False,
+        ignore_warnings=True)}
+    for island in spec.islands:
+        pool = island_pool(island.name)
+        ids[f"segment/{pool}"] = segment.from_source(str(root), "flows/deployments.py:segment").deploy(
+            name=pool, work_pool_name=pool, job_variables=job_variables, print_next_steps=False, ignore_warnings=True,
+            description=f"Training segments of island {island.name}, started by the lifecycle per capacity window.")
+    return {name: str(deployment_id) for name, deployment_id in ids.items()}
+
+
+def serve(spec: RunSpec, port: int, home: Path, log_dir: Path) -> None:
+    """Bring everything up and keep it up until interrupted."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with prefect_server(port, home, log_dir) as api_url, temporary_settings({PREFECT_API_URL: api_url}):
+        deployments = register(spec)
+        with workers(pools_of(spec), api_url, log_dir):
+            ui = api_url.removesuffix("/api")
+            print(f"Prefect UI: {ui}", flush=True)
+            for name, deployment_id in deployments.items():
+                print(f"  deployment {name}: {ui}/deployments/deployment/{deployment_id}", flush=True)
+            print(f"  work pools: {', '.join(pools_of(spec))} (one worker each); logs in {log_dir}", flush=True)
+            print("Ctrl-C stops the server and the workers.", flush=True)
+            signal.signal(signal.SIGTERM, _interrupt)
+            try:
+                while True:
+                    signal.pause()
+            except KeyboardInterrupt:
+                pass
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt

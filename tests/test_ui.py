@@ -1,0 +1,178 @@
+"""The Prefect UI path, end to end, in a real browser.
+
+A real `prefect server`, one process worker per work pool and the deployments `archipelago serve`
+registers; a tiny run started through the API the UI uses, failing once at evaluation, retried the
+way the UI's Retry button does it; then headless Chromium renders the run, its task graph, the
+island segments and the artifacts. Screenshots are kept under tests/output/ui.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+
+from infra.spec import parse_spec
+from tests.test_lifecycle import TINY
+
+OUTPUT = Path(__file__).resolve().parent / "output" / "ui"
+RUN_TIMEOUT_S = 420
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render(url: str, screenshot: Path, expect: list[str]) -> str:
+    """The page's DOM once the single-page app has rendered it, and a screenshot of it."""
+    browser = shutil.which("chromium")
+    assert browser, "chromium is missing: `apt-get install -y --no-install-recommends chromium` (make test does)"
+    dom = ""
+    for budget in (15_000, 40_000):  # a busy machine may need longer for the app to fetch and draw
+        with tempfile.TemporaryDirectory() as profile:
+            dom = subprocess.run(
+                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={profile}", "--window-size=1400,1000", f"--virtual-time-budget={budget}",
+                 f"--screenshot={screenshot}", "--dump-dom", url],
+                capture_output=True, text=True, timeout=120).stdout
+        if all(text in dom for text in expect):
+            break
+    return dom
+
+
+def wait_final(client, flow_run_id, after_run_count: int = 0):
+    async def poll():
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while time.monotonic() < deadline:
+            run = await client.read_flow_run(flow_run_id)
+            if run.state.is_final() and run.run_count > after_run_count:
+                return run
+            await asyncio.sleep(2)
+        raise TimeoutError(f"flow run {flow_run_id} still {run.state.name} after {RUN_TIMEOUT_S} s")
+    return poll()
+
+
+def base_name(task_run_name: str) -> str:
+    """Task run names carry a 3-hex suffix unless the task names its runs itself."""
+    return re.sub(r"-[0-9a-f]{3}$", "", task_run_name)
+
+
+@pytest.fixture(scope="module")
+def ui_stack(tmp_path_factory):
+    """A Prefect server, the work pools with a worker each, the deployments; yields (api url, spec)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.serve import pools_of, prefect_server, register, workers
+
+    root = tmp_path_factory.mktemp("ui")
+    now = datetime.now(timezone.utc)
+    spec = parse_spec({
+        **TINY, "name": "ui",
+        "islands": [{**TINY["islands"][0], "learners": 1,
+                     "windows": [{"start": (now - timedelta(minutes=1)).isoformat(),
+                                  "end": (now + timedelta(hours=2)).isoformat()}]},
+                    {**TINY["islands"][1], "processes_per_learner": 1}],
+        "sync": {**TINY["sync"], "rounds": 2},
+        "store": {"url": str(root / "store")},
+        "faults": [{"kind": "fail_stage", "stage": "evaluate"}]})
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    with prefect_server(free_port(), root / "prefect-home", root) as api_url, \
+            temporary_settings({PREFECT_API_URL: api_url}):
+        register(spec)
+        with workers(pools_of(spec), api_url, root):
+            yield api_url, spec
+
+
+def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_renders(ui_stack):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (ArtifactFilter, ArtifactFilterKey, FlowFilter, FlowFilterName,
+                                                FlowRunFilter, FlowRunFilterId)
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.states import State
+
+    from flows.serve import LIFECYCLE_DEPLOYMENT
+
+    api_url, spec = ui_stack
+    ui = api_url.removesuffix("/api")
+
+    async def scenario():
+        async with get_client() as client:
+            deployment = await client.read_deployment_by_name(LIFECYCLE_DEPLOYMENT)
+            assert "spec" in deployment.parameter_openapi_schema["properties"]
+            started = await client.create_flow_run_from_deployment(
+                deployment.id, parameters={"spec": spec.model_dump(mode="json")})
+            failed = await wait_final(client, started.id)
+            assert failed.state.is_failed() and "evaluate failed on purpose" in failed.state.message
+            # What the UI's Retry button sends.
+            await client.set_flow_run_state(started.id, State(type=StateType.SCHEDULED, name="AwaitingRetry",
+                                                              message="Retry from the UI"), force=True)
+            done = await wait_final(client, started.id, after_run_count=failed.run_count)
+            segments = await client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["segment"])))
+            lifecycles = await client.read_flow_runs(
+                flow_filter=FlowFilter(name=FlowFilterName(any_=["lifecycle"])), sort=FlowRunSort.START_TIME_DESC)
+            retried = lifecycles[0]
+            tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[retried.id])))
+            artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+                any_=["bpb-table", "bpb-curve", "bpb-vs-tokens", "communication", "utilisation", "run-report",
+                      "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1"])))
+            return deployment, done, segments, retried, tasks, artifacts
+
+    deployment, done, segments, retried, tasks, artifacts = asyncio.run(scenario())
+    assert done.state.is_completed(), done.state.message
+    run_id = f"ui-{done.name}"
+
+    # Each island's segment ran on that island's own work pool, once: the retry did not redo training.
+    assert sorted((s.name, s.work_pool_name, s.state.name) for s in segments) == [
+        (f"{run_id}-east-window-0", "island-east", "Completed"),
+        (f"{run_id}-west-window-0", "island-west", "Completed")]
+    assert done.work_pool_name == "archipelago"
+
+    # The retry re-executed only what had not completed.
+    states = {base_name(t.name): t.state.name for t in tasks}
+    assert {n for n, s in states.items() if s == "Completed"} == {"evaluate", "evaluate-curve", "report", "figures"}
+    assert {n for n, s in states.items() if s == "Cached"} == {
+        "start-run", "prepare-data", "segments-east", "segments-west", "consolidate", "train-standard-baseline"}
+    by_key = {a.key: a for a in artifacts}
+    assert set(by_key) == {"bpb-table", "bpb-curve", "bpb-vs-tokens", "communication", "utilisation", "run-report",
+                           "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1"}
+    assert by_key["bpb-vs-tokens"].data.startswith("data:image/png;base64,")
+    assert by_key["bpb-vs-tokens-png"].data.startswith("[bpb-vs-tokens.png in the run's store](file://")
+    assert {a.data for k, a in by_key.items() if k.startswith("progress-")} == {100.0}
+
+    # What a person sees: the run spec as the deployment's run form (titles, descriptions, dropdowns)...
+    form = render(f"{ui}/deployments/deployment/{deployment.id}/run", OUTPUT / "0-run-form.png",
+                  ["Inner Steps", "Bytes per training sequence."])
+    assert "Inner Steps" in form and "Bytes per training sequence." in form and "Windows" in form
+    assert re.search(r'<option[^>]*value="allreduce"', form), "the sync mode is not a dropdown"
+    # ...the run, its task graph, an island's segment on its work pool, and the artifacts.
+    run_page = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "1-run.png", [done.name, "Completed"])
+    assert done.name in run_page and "Completed" in run_page
+    graph_page = render(f"{ui}/runs/flow-run/{retried.id}?tab=Task%20Runs", OUTPUT / "2-lifecycle-task-graph.png",
+                        ["figures-", "segments-east"])
+    assert "<canvas" in graph_page, "the task graph did not render"
+    for name in ("segments-east", "segments-west", "evaluate-curve-", "figures-", "train-standard-baseline-"):
+        assert name in graph_page
+    east = next(s for s in segments if s.work_pool_name == "island-east")
+    segment_page = render(f"{ui}/runs/flow-run/{east.id}", OUTPUT / "3-east-segment.png", [east.name])
+    assert east.name in segment_page and "Work Pool" in segment_page and "island-east" in segment_page
+    plot_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-vs-tokens'].id}", OUTPUT / "4-bpb-vs-tokens.png",
+                       ["data:image/png;base64,"])
+    assert re.search(r'<img[^>]+src="data:image/png;base64,', plot_page), "the plot did not render as an image"
+    table_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-table'].id}", OUTPUT / "5-bpb-table.png",
+                        ["islands_bpb"])
+    assert "islands_bpb" in table_page and "prose" in table_page and "code" in table_page
+    assert all((OUTPUT / f).stat().st_size > 10_000 for f in (
+        "0-run-form.png", "1-run.png", "2-lifecycle-task-graph.png", "3-east-segment.png", "4-bpb-vs-tokens.png",
+        "5-bpb-table.png"))
