@@ -48,6 +48,8 @@ class LinkBudget:
     The link is modelled as busy until `free_at`: a chunk starts when the link is free and
     holds it for nbytes / rate. `finish` sleeps until the chunk would have left the link, so
     a store that is faster than the budget is slowed to it and a slower one is not slowed more.
+    Chunks are booked after they are sent, with their real size (a JSON commit's size is known
+    only once written).
     """
 
     def __init__(self, bytes_per_s: float | None, clock: Callable[[], float] = time.monotonic,
@@ -55,12 +57,13 @@ class LinkBudget:
         self.rate, self.clock, self.sleep = bytes_per_s, clock, sleep
         self.free_at = 0.0
 
-    def start(self, nbytes: int) -> float:
-        """Book the link for a chunk; returns the time at which the chunk has been sent."""
+    def book(self, nbytes: int, began: float | None = None) -> float:
+        """Book the link for a chunk whose transfer began at `began` (now by default); returns the
+        time at which the chunk has left the link."""
+        began = self.clock() if began is None else began
         if self.rate is None:
-            return self.clock()
-        begin = max(self.clock(), self.free_at)
-        self.free_at = begin + nbytes / self.rate
+            return began
+        self.free_at = max(began, self.free_at) + nbytes / self.rate
         return self.free_at
 
     def finish(self, done_at: float) -> float:
@@ -139,7 +142,7 @@ class Transport:
             refs = [self._put_chunk(f"{key}.part-{i:04d}", data[i * self.chunk_bytes:(i + 1) * self.chunk_bytes], link)
                     for i in range((len(data) + self.chunk_bytes - 1) // self.chunk_bytes)]
             body = {"parts": [r.to_json() for r in refs], "nbytes": len(data), **meta}
-        commit = self._timed(link, len(str(body)), lambda: self.store.put_json(f"{key}.json", body))
+        commit = self._timed(link, lambda: self.store.put_json(f"{key}.json", body))
         written = sum(r.nbytes for r in refs) + commit.nbytes
         self.counters[link].bytes_written += written
         self.counters[link].messages_written += 1
@@ -150,28 +153,29 @@ class Transport:
         # Multipart names carry their checksum: parts are write-once, so a re-send whose bytes differ
         # (a learner that died mid-send and re-encoded) writes new parts instead of colliding.
         key = base if base.endswith(".safetensors") else f"{base}-{digest[:16]}.bin"
-        return self._timed(link, len(data), lambda: self.store.put_bytes(key, data))
+        return self._timed(link, lambda: self.store.put_bytes(key, data))
 
     def get_message(self, key: str, link: str) -> tuple[dict[str, torch.Tensor], dict, int]:
         """Read a committed tensor set (either layout), verified part by part; and bytes read."""
-        meta, meta_bytes = self.store._get_json_sized(f"{key}.json")
+        meta, meta_bytes = self._timed(link, lambda: self.store._get_json_sized(f"{key}.json"), size=lambda r: r[1])
         refs = ([ObjectRef.from_json(meta.pop("tensors"))] if "tensors" in meta
                 else [ObjectRef.from_json(r) for r in meta.pop("parts")])
         meta.pop("nbytes", None)
-        data = b"".join(self._timed(link, ref.nbytes, lambda ref=ref: self.store.get_bytes(ref.key, ref.sha256))
+        data = b"".join(self._timed(link, lambda ref=ref: self.store.get_bytes(ref.key, ref.sha256))
                         for ref in refs)
         nbytes = len(data) + meta_bytes
         self.counters[link].bytes_read += nbytes
         self.counters[link].messages_read += 1
         return load_safetensors(data), meta, nbytes
 
-    def _timed(self, link: str, nbytes: int, transfer: Callable):
-        begin = self.clock()
-        done_at = self.budgets[link].start(nbytes)
+    def _timed(self, link: str, transfer: Callable, size: Callable = len):
+        """Run one chunk's transfer, then hold the caller until the budget says it has left the link."""
+        began = self.clock()
         result = transfer()
+        done_at = self.budgets[link].book(result.nbytes if isinstance(result, ObjectRef) else size(result), began)
         counters = self.counters[link]
         counters.seconds_paced += self.budgets[link].finish(done_at)
-        counters.seconds_transferring += self.clock() - begin
+        counters.seconds_transferring += self.clock() - began
         return result
 
     def report(self) -> dict[str, dict]:
