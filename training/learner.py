@@ -493,10 +493,13 @@ class Learner:
         self.traffic.rounds.append({"round": t, "loss": loss, "compute_s": compute_s, "sync_s": sync_s,
                                     "fragment": fragment_of_round(t, self.fragments.count)})
         if self.rank == 0:
-            tensors, meta = self._state()
-            self.traffic.checkpoint += self.store.commit_tensors(
-                layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
+            self._checkpoint(t)
         return loss
+
+    def _checkpoint(self, t: int) -> None:
+        tensors, meta = self._state()
+        self.traffic.checkpoint += self.store.commit_tensors(
+            layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
 
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
