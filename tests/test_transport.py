@@ -132,3 +132,20 @@ def test_counters_survive_a_restart_through_their_report(tmp_path):
     again = Transport(ObjectStore(str(tmp_path)))
     again.load_report(transport.report())
     assert again.report() == transport.report()
+
+
+def test_report_sums_link_classes_and_gives_bytes_per_round_of_each_fragment():
+    from eval.report import fragment_bytes, link_classes
+
+    summaries = [{"fragment_sizes": [10, 8],
+                  "links": {"inter": {"bytes_read": 5, "seconds_paced": 1.0}, "intra": {"bytes_read": 1, "seconds_paced": 0}},
+                  "exchanges": [{"round": 0, "fragment": 0, "bytes_sent": 40, "bytes_received": 40},
+                                {"round": 1, "fragment": 1, "bytes_sent": 32, "bytes_received": 30},
+                                {"round": 2, "fragment": 0, "bytes_sent": 40, "bytes_received": 40}]},
+                 {"links": {"inter": {"bytes_read": 7, "seconds_paced": 0.5}},
+                  "exchanges": [{"round": 0, "fragment": 0, "bytes_sent": 40, "bytes_received": 40}]}]
+    assert link_classes(summaries) == {"inter": {"bytes_read": 12, "seconds_paced": 1.5},
+                                       "intra": {"bytes_read": 1, "seconds_paced": 0}}
+    assert fragment_bytes(summaries) == [
+        {"fragment": 0, "parameters": 10, "rounds": 2, "bytes_sent_per_round": 60.0, "bytes_received_per_round": 60.0},
+        {"fragment": 1, "parameters": 8, "rounds": 1, "bytes_sent_per_round": 32.0, "bytes_received_per_round": 30.0}]
