@@ -49,14 +49,15 @@ class Codec:
         vector = vector.detach().float().reshape(-1).cpu()
         payload: dict[str, torch.Tensor] = {}
         values = vector
-        if sparsify and self.topk < 1.0:
+        sparse = sparsify and self.topk < 1.0
+        if sparse:
             k = max(1, math.ceil(self.topk * vector.numel()))
             index = torch.topk(vector.abs(), k, sorted=False).indices.sort().values
             payload[f"{name}.index"] = index.to(torch.int32)
             payload[f"{name}.numel"] = torch.tensor([vector.numel()], dtype=torch.int64)
             values = vector[index]
         if self.scheme == "none":
-            payload[name if len(payload) == 0 else f"{name}.values"] = values.clone()
+            payload[f"{name}.values" if sparse else name] = values.clone()
             return payload
         levels = INT8_MAX if self.scheme == "int8" else INT4_MAX
         chunks, count = _chunked(values, self.scale_chunk)
@@ -71,12 +72,10 @@ class Codec:
         payload[f"{name}.count"] = torch.tensor([count, self.scale_chunk], dtype=torch.int64)
         return payload
 
-    def decode(self, name: str, payload: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The fp32 vector a payload stands for (the scheme is read from the payload itself)."""
-        return decode_field(name, payload)
 
 
 def decode_field(name: str, payload: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The fp32 vector a payload field stands for; the encoding is read from the payload itself."""
     if name in payload:
         return payload[name].float()
     if f"{name}.values" in payload:
@@ -97,11 +96,6 @@ def decode_field(name: str, payload: dict[str, torch.Tensor]) -> torch.Tensor:
     out = torch.zeros(int(payload[f"{name}.numel"][0]))
     out[payload[f"{name}.index"].long()] = values
     return out
-
-
-def payload_bytes(payload: dict[str, torch.Tensor]) -> int:
-    """Tensor bytes of a payload (without the safetensors header)."""
-    return sum(t.numel() * t.element_size() for t in payload.values())
 
 
 def _chunked(values: torch.Tensor, chunk: int) -> tuple[torch.Tensor, int]:

@@ -34,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -109,7 +110,7 @@ class Exchange:
     round: int
     fragment: int
     sent_weights: torch.Tensor | None = None  # the fragment's weights when it was sent (rank 0)
-    result: object = None  # Future of the transport job (rank 0)
+    result: Future | None = None  # the transport job's ExchangeResult (rank 0)
 
 
 @dataclass
