@@ -132,6 +132,10 @@ class TransportSpec(SpecModel):
     topk: float = Field(1.0, gt=0, le=1, description="Fraction of pseudo-gradient values sent (largest magnitude "
                                                      "first); 1 sends all.")
     error_feedback: bool = Field(True, description="Keep what compression dropped and add it to the next message.")
+    mix_own_exact: bool = Field(
+        False, description="With compression, mix this learner's own exact anchor and pseudo-gradient with its "
+                           "peers' decoded ones (its weights then get only their quantisation noise, and partners "
+                           "differ by it) instead of the decoded messages on both sides (partners agree bitwise).")
     chunk_bytes: int = Field(64 << 20, ge=1024, description="Messages larger than this travel as multipart objects.")
     bandwidth: BandwidthSpec = Field(default_factory=BandwidthSpec,
                                      description="Bandwidth budget per link class, per learner.")

@@ -116,6 +116,7 @@ class Exchange:
 @dataclass
 class ExchangeResult:
     sent: dict[str, torch.Tensor]  # what peers see of our message, decoded
+    exact: dict[str, torch.Tensor]  # what our message was encoded from
     residual: dict[str, torch.Tensor]  # error-feedback residual slices after this message
     received: list[tuple[int, dict[str, torch.Tensor], dict]]
     bytes_sent: int
@@ -351,7 +352,8 @@ class Learner:
             message = self._receive(peer, round_index)
             if message is not None:
                 received.append((peer, *message))
-        return ExchangeResult({"anchor": sent_anchor, "delta": sent_delta}, residual, received, bytes_sent,
+        return ExchangeResult({"anchor": sent_anchor, "delta": sent_delta}, {"anchor": anchor, "delta": delta},
+                              residual, received, bytes_sent,
                               self.traffic.read_intra + self.traffic.read_inter - before)
 
     def _apply_pending(self) -> None:
@@ -383,9 +385,10 @@ class Learner:
         self._sync_seconds += time.monotonic() - began
 
     def _mix(self, exchange: Exchange, result: ExchangeResult) -> torch.Tensor:
-        """The fragment's next anchor from our message as peers see it and theirs."""
+        """The fragment's next anchor from our message (as peers see it, or exact) and theirs."""
         outer, me = self.outers[exchange.fragment], self.slot.index
-        anchor, delta, tokens = result.sent["anchor"], result.sent["delta"], self.slot.tokens_per_round()
+        own = result.exact if self.spec.sync.transport.mix_own_exact and not self.codec.lossless else result.sent
+        anchor, delta, tokens = own["anchor"], own["delta"], self.slot.tokens_per_round()
         if self.spec.sync.mode == "butterfly":
             if not result.received:
                 return outer.step(anchor, delta)
