@@ -22,7 +22,7 @@ def run(tmp_path):
     for i in range(6):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
-    def make(**transport):
+    def make(partner_timeout_s=30, **transport):
         spec = parse_spec({
             "name": "streaming",
             "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 3},
@@ -30,7 +30,7 @@ def run(tmp_path):
             "model": {"layers": 2, "width": 16, "heads": 2},
             "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
                                   "eval_fraction": 0.2}]},
-            "sync": {"mode": "butterfly", "rounds": 6, "warmup_steps": 1, "partner_timeout_s": 30,
+            "sync": {"mode": "butterfly", "rounds": 6, "warmup_steps": 1, "partner_timeout_s": partner_timeout_s,
                      "transport": {"fragments": 2, "tau": 1, "compression": "int8", **transport}},
             "store": {"url": str(tmp_path / "store")},
         })
@@ -102,12 +102,12 @@ def test_a_learner_killed_with_an_exchange_in_flight_applies_it_exactly_once(run
 
 
 def test_a_learner_that_rejoins_from_a_peer_drops_its_exchange_and_residual(run):
-    spec, store = run()
+    spec, store = run(partner_timeout_s=0.3)
     first, peer = Learner(spec, store, 0), Learner(spec, store, 1)
     first.resume()
     peer.resume()
     step_both([first, peer], range(1))
-    step_both([peer], range(1, 3))  # learner 0 is gone; the peer runs on, missing deadlines is fine here
+    step_both([peer], range(1, 3))  # learner 0 is gone; the peer runs on, missing deadlines
     late = Learner(spec, store, 0)
     late.resume()
     assert late.rejoined_from == {"learner": 1, "round": 2}
