@@ -16,6 +16,14 @@ def load_model(spec: RunSpec, store, key: str):
     return model, meta
 
 
+def evaluate_model(spec: RunSpec, store, key: str) -> dict:
+    """{eval name: bpb result} of one stored model over every held-out byte."""
+    manifest = store.get_json(layout.DATA_MANIFEST)
+    model = load_model(spec, store, key)[0]
+    return {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)
+            for name, entry in manifest["heldout"].items()}
+
+
 def evaluate(spec: RunSpec, store) -> dict:
     """{eval name: {"islands": bpb result, "baseline": bpb result}} over every held-out byte."""
     manifest = store.get_json(layout.DATA_MANIFEST)

@@ -36,7 +36,34 @@ def communication(spec: RunSpec, summaries: list[dict], parameters: int, baselin
         "inter_island_reduction": (equivalent["inter_island_bytes"] / inter) if inter else None,
         "per_learner": [{k: s[k] for k in ("learner", "island", "bytes_written", "bytes_read_intra",
                                             "bytes_read_inter", "checkpoint_bytes")} for s in summaries],
+        "link_classes": link_classes(summaries),
+        "per_fragment": fragment_bytes(summaries),
     }
+
+
+def link_classes(summaries: list[dict]) -> dict:
+    """Each link class's transport counters, summed over learners (messages only, not checkpoints)."""
+    totals: dict[str, dict] = {}
+    for s in summaries:
+        for link, counters in s.get("links", {}).items():
+            for name, value in counters.items():
+                totals.setdefault(link, {}).setdefault(name, 0)
+                totals[link][name] += value
+    return totals
+
+
+def fragment_bytes(summaries: list[dict]) -> list[dict]:
+    """Per fragment: its size, how many rounds exchanged it, and the bytes all learners sent and
+    received in such a round (the peak traffic of a round is the largest fragment's)."""
+    sizes = next((s["fragment_sizes"] for s in summaries if s.get("fragment_sizes")), [])
+    rows = []
+    for fragment, parameters in enumerate(sizes):
+        exchanges = [e for s in summaries for e in s.get("exchanges", []) if e["fragment"] == fragment]
+        rounds = len({e["round"] for e in exchanges})
+        rows.append({"fragment": fragment, "parameters": parameters, "rounds": rounds,
+                     "bytes_sent_per_round": sum(e["bytes_sent"] for e in exchanges) / rounds if rounds else 0,
+                     "bytes_received_per_round": sum(e["bytes_received"] for e in exchanges) / rounds if rounds else 0})
+    return rows
 
 
 def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summaries: list[dict],
@@ -57,6 +84,7 @@ def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summa
         "communication": communication(spec, summaries, parameters["total"], baseline["steps"]),
         "consensus": consensus,
         "utilization": computing / (computing + syncing) if computing + syncing else None,
+        "seconds_blocked_on_link": sum(s.get("seconds_blocked", 0.0) for s in summaries),
         "wall_seconds": wall_seconds,
     }
 

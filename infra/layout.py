@@ -28,9 +28,14 @@ def round_prefix(learner: int, round_index: int) -> str:
     return f"{learner_prefix(learner)}/round-{round_index:05d}"
 
 
-def message(learner: int, round_index: int) -> str:
-    """What a learner sends its partners in a round; the JSON commit is written after the tensors."""
-    return f"{round_prefix(learner, round_index)}/message"
+def message(learner: int, round_index: int, fragment: int | None = None) -> str:
+    """What a learner sends its partners in a round; the JSON commit is written after the tensors.
+
+    A run split into fragments names the fragment the round exchanges: each fragment's message is
+    its own committed object.
+    """
+    name = "message" if fragment is None else f"message-fragment-{fragment:03d}"
+    return f"{round_prefix(learner, round_index)}/{name}"
 
 
 def checkpoint(learner: int, round_index: int) -> str:

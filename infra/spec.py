@@ -160,6 +160,37 @@ class OuterOptimizerSpec(SpecModel):
     momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9).")
 
 
+class BandwidthSpec(SpecModel):
+    inter_island: float | None = Field(
+        None, gt=0, description="Bytes/s one learner may move over the inter-island link; unlimited when absent.")
+    intra_island: float | None = Field(
+        None, gt=0, description="Bytes/s one learner may move within its island; unlimited when absent.")
+
+
+class TransportSpec(SpecModel):
+    """Fragments, overlap and compression of the learners' exchanges (Streaming DiLoCo style)."""
+
+    fragments: int = Field(1, ge=1, le=64, description="Fragments the model is split into; round t exchanges "
+                                                         "fragment t mod fragments. At most the model's layers.")
+    layout: Literal["strided", "contiguous"] = Field(
+        "strided", description="strided: block b in fragment b mod fragments; contiguous: consecutive blocks together.")
+    tau: int = Field(0, ge=0, description="Inner steps after sending a fragment at which its mix is applied "
+                                          "(0: wait for it). At most every island's inner_steps.")
+    compression: Literal["none", "int8", "int4"] = Field(
+        "none", description="Message encoding: fp32, int8 or packed 4-bit values with per-chunk fp32 scales.")
+    scale_chunk: int = Field(256, ge=2, multiple_of=2, description="Values sharing one quantisation scale.")
+    topk: float = Field(1.0, gt=0, le=1, description="Fraction of pseudo-gradient values sent (largest magnitude "
+                                                     "first); 1 sends all.")
+    error_feedback: bool = Field(True, description="Keep what compression dropped and add it to the next message.")
+    mix_own_exact: bool = Field(
+        False, description="With compression, mix this learner's own exact anchor and pseudo-gradient with its "
+                           "peers' decoded ones (its weights then get only their quantisation noise, and partners "
+                           "differ by it) instead of the decoded messages on both sides (partners agree bitwise).")
+    chunk_bytes: int = Field(64 << 20, ge=1024, description="Messages larger than this travel as multipart objects.")
+    bandwidth: BandwidthSpec = Field(default_factory=BandwidthSpec,
+                                     description="Bandwidth budget per link class, per learner.")
+
+
 class SyncSpec(SpecModel):
     mode: Literal["butterfly", "allreduce"] = Field(
         "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean.")
@@ -169,6 +200,8 @@ class SyncSpec(SpecModel):
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the inner schedule.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
     partner_timeout_s: float = Field(600, gt=0, description="How long a learner waits for a partner's message.")
+    transport: TransportSpec = Field(default_factory=TransportSpec,
+                                     description="Fragments, overlap, compression and bandwidth of the exchanges.")
 
 
 class StoreSpec(SpecModel):
@@ -243,6 +276,17 @@ class RunSpec(SpecModel):
                 raise ValueError(f"faults.{n}.learner: {fault.learner} but the run has {learners} learners")
             if getattr(fault, "round", 0) >= self.sync.rounds:
                 raise ValueError(f"faults.{n}.round: {fault.round} but the run has {self.sync.rounds} rounds")
+        return self
+
+    @model_validator(mode="after")
+    def _transport_fits(self) -> "RunSpec":
+        transport = self.sync.transport
+        if transport.fragments > self.model.layers:
+            raise ValueError(f"sync.transport.fragments: {transport.fragments} but the model has "
+                             f"{self.model.layers} layers")
+        shortest = min(i.inner_steps for i in self.islands)
+        if transport.tau > shortest:
+            raise ValueError(f"sync.transport.tau: {transport.tau} exceeds the fewest inner_steps of an island ({shortest})")
         return self
 
     def faults_of(self, kind: type) -> list:

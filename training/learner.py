@@ -5,10 +5,24 @@ Run as its own OS process: `python -m training.learner --store URL --run-id RUN 
 or under `torchrun` when the learner is data-parallel over several processes. Rank 0 owns all
 store traffic; the other ranks only compute, and receive each round's new weights by broadcast.
 
-A round: remember the anchor θ, take H AdamW steps to x, send (θ, Δ = θ − x), receive what
-the round's peers sent, mix (see `training.mixing`), take an outer step, checkpoint. The
-checkpoint of round t is the learner's whole state, so a restarted learner resumes from its
-newest checkpoint.
+A round: take H AdamW steps from the anchor θ to x, send the round's fragment's (θ, Δ = θ − x)
+(see `training.fragments`; one fragment is the whole model), receive what the round's peers
+sent, mix (see `training.mixing`), take an outer step on the fragment, checkpoint. Sending and
+receiving run on the learner's transport thread (`infra.transport`); the mix is applied
+`sync.transport.tau` inner steps later, keeping the local progress made meanwhile:
+x_f <- θ'_f + (x_f(now) − x_f(sent)). With tau 0 the learner waits for it at once. Messages may
+be compressed with error feedback (`training.compression`).
+
+The checkpoint of round t is the learner's whole state, so a restarted learner resumes from its
+newest checkpoint. An exchange still in flight when the checkpoint is written is part of that
+state: the checkpoint holds the anchors, weights and error-feedback residual the message was
+encoded from, none of them yet touched by its mix. A learner that dies with an exchange in flight
+restarts it from the checkpoint: it re-encodes the same message (re-sending identical bytes is a
+no-op for write-once objects; if a dead life committed a different message, that one is what
+peers saw and is what the learner mixes with and charges its residual against), fetches the
+partner's message again, and applies the mix at the same point, so the mix is applied exactly
+once. A learner that rejoins from a peer's checkpoint drops the peer's in-flight exchange and
+starts with an empty residual: both belong to the peer.
 """
 
 from __future__ import annotations
@@ -21,6 +35,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
 
@@ -33,7 +48,10 @@ from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
 from infra.spec import CloseWindow, CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
 from infra.store import IntegrityError, ObjectExists, ObjectStore
+from infra.transport import Transport
+from training.compression import Codec, ErrorFeedback, decode_field
 from training.data import WindowSampler, read_stream
+from training.fragments import FragmentLayout, exchange_count, fragment_of_round
 from training.mixing import butterfly_partner, mix_pair, weighted_mean
 from training.model import ByteGPT, GPTConfig
 from training.outer import OuterOptimizer
@@ -83,6 +101,29 @@ class Traffic:
     rounds: list[dict] = field(default_factory=list)
     missed_exchanges: list[dict] = field(default_factory=list)
     corrupt_reads: int = 0
+    seconds_blocked: float = 0.0
+    exchanges: list[dict] = field(default_factory=list)
+    links: dict = field(default_factory=dict)
+
+
+@dataclass
+class Exchange:
+    """A fragment's exchange in flight: sent at the end of `round`, applied `tau` steps later."""
+
+    round: int
+    fragment: int
+    sent_weights: torch.Tensor | None = None  # the fragment's weights when it was sent (rank 0)
+    result: Future | None = None  # the transport job's ExchangeResult (rank 0)
+
+
+@dataclass
+class ExchangeResult:
+    sent: dict[str, torch.Tensor]  # what peers see of our message, decoded
+    exact: dict[str, torch.Tensor]  # what our message was encoded from
+    residual: dict[str, torch.Tensor]  # error-feedback residual slices after this message
+    received: list[tuple[int, dict[str, torch.Tensor], dict]]
+    bytes_sent: int
+    bytes_received: int
 
 
 def emit(event: str, **fields) -> None:
@@ -100,7 +141,20 @@ class Learner:
         self.model = build_model(spec).to(self.device)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.sync.inner_lr,
                                        weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
-        self.outer = OuterOptimizer.from_spec(spec.sync.outer, flat_parameters(self.model).numel())
+        transport = spec.sync.transport
+        self.fragments = FragmentLayout.build(self.model, transport.fragments, transport.layout)
+        self.outers = [OuterOptimizer.from_spec(spec.sync.outer, size) for size in self.fragments.sizes]
+        # Where each fragment last synchronised; with one fragment and tau 0, the round's start weights.
+        self.anchors = flat_parameters(self.model).cpu()
+        self.codec = Codec(transport.compression, transport.scale_chunk, transport.topk)
+        # Compressed anchors travel as their difference from the run's initial weights, which every
+        # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
+        self.initial = self.anchors.clone()
+        self.feedback = ErrorFeedback(self.codec, self.anchors.numel(), ("anchor", "delta"), transport.error_feedback)
+        self.transport = Transport(store, transport.chunk_bytes,
+                                   {"inter": transport.bandwidth.inter_island, "intra": transport.bandwidth.intra_island})
+        self.pending: Exchange | None = None
+        self._sync_seconds = 0.0
         manifest = store.get_json(layout.DATA_MANIFEST)
         shard = read_stream(store, manifest["shards"][index])
         self.sampler = WindowSampler(shard, self.slot.island.seq_len, seed=spec.seed)
@@ -133,6 +187,12 @@ class Learner:
             return
         tensors, meta = chosen[2:] if chosen else self.store.read_committed(layout.checkpoint(learner, t))[:2]
         self._load_state(tensors, meta)
+        if learner != self.slot.index:
+            self.feedback.reset()
+        elif meta.get("pending") is not None:
+            self.pending = Exchange(meta["pending"]["round"], meta["pending"]["fragment"])
+            if self.rank == 0:
+                self.pending = self._start_exchange(self.pending.round, self.anchors.clone(), flat_parameters(self.model).cpu())
         self.start_round = t + 1
         self.rejoined_from = {"learner": learner, "round": t}
         emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
@@ -156,6 +216,7 @@ class Learner:
                 emit("corrupt_checkpoint", learner=self.slot.index, error=str(err))
                 continue
             self.traffic = self._own_traffic(own)
+            self.transport.load_report(self.traffic.links)
             return learner, t, tensors, meta
         return None
 
@@ -173,18 +234,37 @@ class Learner:
                 if key.endswith("/checkpoint.json")]
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors = {"weights": flat_parameters(self.model).cpu(), **self.outer.state_tensors()}
+        tensors = {"weights": flat_parameters(self.model).cpu(), **self._outer_state(), **self.feedback.state_tensors()}
+        if self.fragments.count > 1 or self.pending is not None:
+            tensors["anchors"] = self.anchors.clone()
         for i, p in enumerate(self.model.parameters()):
             for name, value in self.inner.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
                     tensors[f"inner.{i}.{name}"] = value.cpu()
         first = self.inner.state.get(next(self.model.parameters()), {})
         # The traffic counters ride along, so a restarted learner's report still counts its earlier life.
-        return tensors, {"inner_step": int(first.get("step", 0)), "traffic": asdict(self.traffic)}
+        self.traffic.links = self.transport.report()
+        pending = None if self.pending is None else {"round": self.pending.round, "fragment": self.pending.fragment}
+        return tensors, {"inner_step": int(first.get("step", 0)), "traffic": asdict(self.traffic), "pending": pending}
+
+    def _outer_state(self) -> dict[str, torch.Tensor]:
+        if len(self.outers) == 1:
+            return self.outers[0].state_tensors()
+        return {f"fragment-{f}.{k}": v for f, outer in enumerate(self.outers) for k, v in outer.state_tensors().items()}
+
+    def _load_outer_state(self, tensors: dict[str, torch.Tensor]) -> None:
+        if len(self.outers) == 1:
+            self.outers[0].load_state_tensors(tensors)
+            return
+        for f, outer in enumerate(self.outers):
+            prefix = f"fragment-{f}."
+            outer.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
 
     def _load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         load_flat_parameters(self.model, tensors["weights"].to(self.device))
-        self.outer.load_state_tensors(tensors)
+        self.anchors = tensors.get("anchors", tensors["weights"]).float().cpu().clone()
+        self._load_outer_state(tensors)
+        self.feedback.load_state_tensors(tensors)
         for i, p in enumerate(self.model.parameters()):
             if f"inner.{i}.exp_avg" in tensors:
                 self.inner.state[p] = {"step": torch.tensor(float(meta["inner_step"])),
@@ -212,6 +292,8 @@ class Learner:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.inner.step()
             losses.append(loss.item())
+            if self.pending is not None and h + 1 == self.spec.sync.transport.tau:
+                self._apply_pending()
             if h == island.inner_steps // 2:
                 self._maybe_die(round_index)
         return sum(losses) / len(losses)
@@ -236,64 +318,142 @@ class Learner:
         flat /= self.world
         unflatten_into(flat, [p.grad for p in params])
 
-    def synchronise(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Send this round's message, mix with the peers that answered in time, return the next anchor.
+    # -- exchanges ------------------------------------------------------------------------------
 
-        A peer that misses the deadline, or whose message is corrupt, is left out of this round's
-        mix and recorded; the learner never blocks past `sync.partner_timeout_s` on anyone.
-        """
-        me = self.slot.index
+    def _peers(self, round_index: int) -> list[int]:
+        """Whose messages this round's mix takes, inter-island peers first (they are the slow ones)."""
+        me, n = self.slot.index, len(self.spec.learners)
+        if self.spec.sync.mode == "butterfly":
+            partner = butterfly_partner(me, exchange_count(round_index, self.fragments.count), n)
+            return [] if partner is None else [partner]
+        return sorted((p for p in range(n) if p != me), key=lambda p: self._link(p) != "inter")
+
+    def _link(self, peer: int) -> str:
+        return "intra" if self.spec.learners[peer].island.name == self.slot.island.name else "inter"
+
+    def _message_key(self, learner: int, round_index: int) -> str:
+        fragment = fragment_of_round(round_index, self.fragments.count) if self.fragments.count > 1 else None
+        return layout.message(learner, round_index, fragment)
+
+    def _start_exchange(self, round_index: int, anchors: torch.Tensor, weights: torch.Tensor) -> Exchange:
+        """Queue this round's fragment's exchange on the transport thread; the learner goes on computing."""
+        fragment = fragment_of_round(round_index, self.fragments.count)
+        index = self.fragments.indices[fragment]
+        anchor, sent_weights = anchors[index], weights[index]
+        peers = self._peers(round_index)
+        link = "inter" if any(self._link(p) == "inter" for p in peers) else "intra"
+        future = self.transport.submit(link, self._exchange, round_index, anchor, anchor - sent_weights, peers)
+        return Exchange(round_index, fragment, sent_weights, future)
+
+    def _exchange(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor, peers: list[int]) -> ExchangeResult:
+        """On the transport thread: send our message, then fetch each peer's (or note it missed)."""
         tokens = self.slot.tokens_per_round()
-        butterfly = self.spec.sync.mode == "butterfly"
-        anchor, delta = self._publish(round_index, anchor, delta, tokens, butterfly)
-        if butterfly:
-            partner = butterfly_partner(me, round_index, len(self.spec.learners))
-            received = self._receive(partner, round_index) if partner is not None else None
-            if received is None:
-                return self.outer.step(anchor, delta)
-            theirs, meta = received
-            mixed_anchor, mixed_delta = mix_pair(anchor, delta, tokens, theirs["anchor"], theirs["delta"],
-                                                 meta["tokens"], me, partner)
-            return self.outer.step(mixed_anchor, mixed_delta)
-        deltas, weights = [], []
-        for peer in range(len(self.spec.learners)):
-            received = ({"delta": delta}, {"tokens": tokens}) if peer == me else self._receive(peer, round_index)
-            if received is not None:
-                deltas.append(received[0]["delta"])
-                weights.append(received[1]["tokens"])
-        return self.outer.step(anchor, weighted_mean(deltas, weights))
+        sent_anchor, sent_delta, residual, bytes_sent = self._publish(
+            round_index, anchor, delta, tokens, self.spec.sync.mode == "butterfly")
+        received, before = [], self.traffic.read_intra + self.traffic.read_inter
+        for peer in peers:
+            message = self._receive(peer, round_index)
+            if message is not None:
+                received.append((peer, *message))
+        return ExchangeResult({"anchor": sent_anchor, "delta": sent_delta}, {"anchor": anchor, "delta": delta},
+                              residual, received, bytes_sent,
+                              self.traffic.read_intra + self.traffic.read_inter - before)
+
+    def _apply_pending(self) -> None:
+        """Wait for the exchange in flight (if it is not done yet), mix, take the fragment's outer
+        step, and move the fragment to the new anchor plus the local progress made since it was sent."""
+        exchange, self.pending = self.pending, None
+        index = self.fragments.indices[exchange.fragment]
+        began = time.monotonic()
+        if self.rank == 0:
+            result: ExchangeResult = exchange.result.result()
+            self.traffic.seconds_blocked += time.monotonic() - began
+            anchor = self._mix(exchange, result)
+            weights = flat_parameters(self.model).cpu()
+            weights[index] = anchor + (weights[index] - exchange.sent_weights)
+            self.anchors[index] = anchor
+            self.feedback.commit(index, result.residual)
+            self.traffic.written += result.bytes_sent
+            self.traffic.exchanges.append({
+                "round": exchange.round, "fragment": exchange.fragment, "bytes_sent": result.bytes_sent,
+                "bytes_received": result.bytes_received, "peers": [peer for peer, _, _ in result.received]})
+            fragment_weights = weights[index].to(self.device)
+        else:
+            fragment_weights = torch.empty(int(index.numel()), device=self.device)
+        if self.world > 1:
+            dist.broadcast(fragment_weights, src=0)
+        weights = flat_parameters(self.model)
+        weights[index.to(self.device)] = fragment_weights
+        load_flat_parameters(self.model, weights)
+        self._sync_seconds += time.monotonic() - began
+
+    def _mix(self, exchange: Exchange, result: ExchangeResult) -> torch.Tensor:
+        """The fragment's next anchor from our message (as peers see it, or exact) and theirs."""
+        outer, me = self.outers[exchange.fragment], self.slot.index
+        own = result.exact if self.spec.sync.transport.mix_own_exact and not self.codec.lossless else result.sent
+        anchor, delta, tokens = own["anchor"], own["delta"], self.slot.tokens_per_round()
+        if self.spec.sync.mode == "butterfly":
+            if not result.received:
+                return outer.step(anchor, delta)
+            partner, theirs, meta = result.received[0]
+            return outer.step(*mix_pair(anchor, delta, tokens, theirs["anchor"], theirs["delta"],
+                                        meta["tokens"], me, partner))
+        # Every learner sums in learner order, so all that heard the same peers agree bitwise.
+        messages = sorted([(me, delta, tokens)] + [(p, m["delta"], meta["tokens"]) for p, m, meta in result.received],
+                          key=lambda item: item[0])
+        return outer.step(anchor, weighted_mean([m[1] for m in messages], [m[2] for m in messages]))
 
     def _publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor, tokens: int,
-                 butterfly: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Commit this round's message. If a previous life of this learner already sent one for the
-        round, peers may have mixed with it: keep to what was sent."""
-        key = layout.message(self.slot.index, round_index)
+                 butterfly: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
+        """Commit this round's message; returns the anchor and delta as peers will decode them, the
+        error-feedback residual after it, and bytes written. If a previous life of this learner
+        already sent one for the round, peers may have mixed with it: keep to what was sent."""
+        key = self._message_key(self.slot.index, round_index)
         if self.spec.fault_at(CorruptObject, self.slot.index, round_index):
             self.store.corrupt_next_write()
             emit("fault", learner=self.slot.index, kind="corrupt_object", round=round_index)
-        payload = {"anchor": anchor, "delta": delta} if butterfly else {"delta": delta}
+        fragment = fragment_of_round(round_index, self.fragments.count)
+        index = self.fragments.indices[fragment]
+        fields = {"anchor": anchor, "delta": delta} if butterfly else {"delta": delta}
+        if not self.codec.lossless:
+            fields = {name: value - self.initial[index] if name == "anchor" else value for name, value in fields.items()}
+        payload, decoded, residual = (dict(fields), dict(fields), {}) if self.codec.lossless else \
+            self.feedback.encode(fields, index, sparsify={"anchor": False})
+        meta = {"learner": self.slot.index, "round": round_index, "tokens": tokens, "fragment": fragment,
+                "anchor_from_initial": not self.codec.lossless}
+        peers = self._peers(round_index)
+        link = "inter" if any(self._link(p) == "inter" for p in peers) else "intra"
+        nbytes = 0
         try:
-            self.traffic.written += self.store.commit_tensors(
-                key, payload, {"learner": self.slot.index, "round": round_index, "tokens": tokens})
+            nbytes = self.transport.put_message(key, payload, meta, link)
         except ObjectExists:
-            sent, _, _ = self.store.read_committed(key)
-            return sent.get("anchor", anchor), sent["delta"]
-        return anchor, delta
+            sent, sent_meta, _ = self.transport.get_message(key, link)
+            decoded = {name: decode_field(name, sent) for name in fields}
+            residual = self.feedback.residual_after(fields, index, decoded)
+        if not self.codec.lossless and "anchor" in decoded:
+            decoded["anchor"] = decoded["anchor"] + self.initial[index]
+        return decoded.get("anchor", anchor), decoded["delta"], residual, nbytes
 
     def _receive(self, peer: int, round_index: int) -> tuple[dict[str, torch.Tensor], dict] | None:
-        key = layout.message(peer, round_index)
+        key = self._message_key(peer, round_index)
         if not self.store.wait_for(f"{key}.json", self.spec.sync.partner_timeout_s):
             return self._missed(peer, round_index, "deadline")
+        link = self._link(peer)
         try:
-            tensors, meta, nbytes = self.store.read_committed(key)
+            payload, meta, nbytes = self.transport.get_message(key, link)
         except IntegrityError as err:
             self.traffic.corrupt_reads += 1
             return self._missed(peer, round_index, f"corrupt: {err}")
-        if self.spec.learners[peer].island.name == self.slot.island.name:
+        if link == "intra":
             self.traffic.read_intra += nbytes
         else:
             self.traffic.read_inter += nbytes
-        return tensors, meta
+        fields = ("anchor", "delta") if self.spec.sync.mode == "butterfly" else ("delta",)
+        message = {name: decode_field(name, payload) for name in fields}
+        if meta.get("anchor_from_initial") and "anchor" in message:
+            index = self.fragments.indices[meta["fragment"]]
+            message["anchor"] = message["anchor"] + self.initial[index]
+        return message, meta
 
     def _missed(self, peer: int, round_index: int, reason: str) -> None:
         self.traffic.missed_exchanges.append({"round": round_index, "peer": peer, "reason": reason})
@@ -356,29 +516,38 @@ class Learner:
         return bool(fits.item())
 
     def run_round(self, t: int) -> float:
-        """Inner steps, exchange, outer step, checkpoint. Returns the mean inner loss."""
+        """Inner steps (applying the previous exchange tau steps in), send this round's fragment,
+        checkpoint. Returns the mean inner loss."""
         round_started = time.monotonic()
-        anchor = flat_parameters(self.model)
+        self._sync_seconds = 0.0
         loss = self.inner_steps(t)
-        computed = time.monotonic()
-        delta = anchor - flat_parameters(self.model)
+        if self.pending is not None:  # tau equals this island's inner steps
+            self._apply_pending()
+        sending = time.monotonic()
         if self.rank == 0:
-            next_anchor = self.synchronise(t, anchor.cpu(), delta.cpu()).to(self.device)
+            self.pending = self._start_exchange(t, self.anchors, flat_parameters(self.model).cpu())
         else:
-            next_anchor = torch.empty_like(anchor)
-        if self.world > 1:
-            dist.broadcast(next_anchor, src=0)
-        load_flat_parameters(self.model, next_anchor)
-        synced = time.monotonic()
-        self.traffic.seconds_computing += computed - round_started
-        self.traffic.seconds_syncing += synced - computed
-        self.traffic.rounds.append({"round": t, "loss": loss, "compute_s": computed - round_started,
-                                    "sync_s": synced - computed})
+            self.pending = Exchange(t, fragment_of_round(t, self.fragments.count))
+        self._sync_seconds += time.monotonic() - sending
+        # The last round's mix is waited for: the final checkpoints are what consolidation averages.
+        if self.spec.sync.transport.tau == 0 or t == self.spec.sync.rounds - 1:
+            self._apply_pending()
+        # Syncing is what the learner spent not computing: queueing the send and applying mixes,
+        # including any wait for a message still on the link.
+        sync_s = self._sync_seconds
+        compute_s = time.monotonic() - round_started - sync_s
+        self.traffic.seconds_computing += compute_s
+        self.traffic.seconds_syncing += sync_s
+        self.traffic.rounds.append({"round": t, "loss": loss, "compute_s": compute_s, "sync_s": sync_s,
+                                    "fragment": fragment_of_round(t, self.fragments.count)})
         if self.rank == 0:
-            tensors, meta = self._state()
-            self.traffic.checkpoint += self.store.commit_tensors(
-                layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
+            self._checkpoint(t)
         return loss
+
+    def _checkpoint(self, t: int) -> None:
+        tensors, meta = self._state()
+        self.traffic.checkpoint += self.store.commit_tensors(
+            layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
 
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
@@ -391,6 +560,8 @@ class Learner:
                    "seconds_syncing": self.traffic.seconds_syncing, "rounds": self.traffic.rounds,
                    "rejoined_from": self.rejoined_from, "missed_exchanges": self.traffic.missed_exchanges,
                    "corrupt_reads_detected": self.traffic.corrupt_reads, "store": dict(self.store.stats),
+                   "seconds_blocked": self.traffic.seconds_blocked, "exchanges": self.traffic.exchanges,
+                   "links": self.transport.report(), "fragment_sizes": self.fragments.sizes,
                    "store_faults_injected": dict(getattr(self.store.fs, "counts", {}))}
         if not self.store.exists(key):
             self.store.put_json(key, summary)

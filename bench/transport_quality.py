@@ -1,0 +1,90 @@
+"""What compression and fragments cost in quality, and save in bytes: finished runs side by side.
+
+Takes islands runs that differ only in `sync.transport` (e.g. configs/demo-streaming*.yaml run
+with `python -m flows.cli run CONFIG`), scores each run's consolidated model on every held-out
+evaluation, and sets its bpb against the first run's (the uncompressed reference). Communication
+figures come from the learners' summaries, as in the run report. Runs with the same model, data
+and tokens share one standard baseline, so its bpb is read from whichever run has one.
+
+    python -m bench.transport_quality RUN_ID [RUN_ID ...] [--store .archipelago/store]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from eval.evaluate import evaluate_model
+from eval.report import communication
+from infra import layout
+from infra.spec import RunSpec
+from infra.store import ObjectStore
+from training.learner import build_model
+
+
+def measure(store: ObjectStore, run_id: str) -> dict:
+    run = store.child(f"runs/{run_id}")
+    spec = RunSpec.model_validate(run.get_json(layout.SPEC))
+    transport = spec.sync.transport
+    summaries = [run.get_json(layout.learner_summary(s.index)) for s in spec.learners]
+    baseline_steps = _baseline_steps(spec)
+    comm = communication(spec, summaries, build_model(spec).parameter_counts()["total"], baseline_steps)
+    computing = sum(s["seconds_computing"] for s in summaries)
+    syncing = sum(s["seconds_syncing"] for s in summaries)
+    return {"run_id": run_id, "compression": transport.compression, "fragments": transport.fragments,
+            "tau": transport.tau, "error_feedback": transport.error_feedback, "topk": transport.topk,
+            "bpb": {name: result["bpb"] for name, result in evaluate_model(spec, run, layout.CONSOLIDATED).items()},
+            "inter_island_bytes": comm["inter_island_bytes"], "intra_island_bytes": comm["intra_island_bytes"],
+            "allreduce_equivalent_bytes": comm["allreduce_equivalent_bytes"],
+            "inter_island_reduction": comm["inter_island_reduction"], "per_fragment": comm["per_fragment"],
+            "link_classes": comm["link_classes"], "utilization": computing / (computing + syncing),
+            "seconds_blocked_on_link": sum(s.get("seconds_blocked", 0.0) for s in summaries),
+            "baseline_bpb": ({name: r["bpb"] for name, r in evaluate_model(spec, run, layout.BASELINE).items()}
+                             if run.is_committed(layout.BASELINE) else None)}
+
+
+def _baseline_steps(spec: RunSpec) -> int:
+    """The standard baseline's step count for equal tokens (as `training.baseline` plans it)."""
+    rows = sum(slot.rows_per_round * spec.sync.rounds for slot in spec.learners)
+    return -(-rows // sum(slot.island.batch_size for slot in spec.learners))
+
+
+def table(results: list[dict]) -> pd.DataFrame:
+    reference = results[0]["bpb"]
+    baseline = next((r["baseline_bpb"] for r in results if r["baseline_bpb"]), None)
+    rows = []
+    for r in results:
+        row = {"run": r["run_id"], "compression": r["compression"], "fragments": r["fragments"], "tau": r["tau"]}
+        for name, bpb in r["bpb"].items():
+            row[f"{name}_bpb"] = round(bpb, 4)
+            row[f"{name}_vs_first"] = f"{(bpb - reference[name]) / reference[name]:+.2%}"
+            if baseline:
+                row[f"{name}_vs_standard"] = f"{(bpb - baseline[name]) / baseline[name]:+.2%}"
+        row.update({"inter_island_MB": round(r["inter_island_bytes"] / 1e6, 2),
+                    "vs_allreduce": f"{r['inter_island_reduction']:.0f}x",
+                    "peak_fragment_MB_per_round": round(max(f["bytes_sent_per_round"] for f in r["per_fragment"]) / 1e6, 3),
+                    "utilization": round(r["utilization"], 3)})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_ids", nargs="+", help="finished runs; the first is the reference")
+    parser.add_argument("--store", default=".archipelago/store")
+    parser.add_argument("--out", default="bench/results/transport_quality.json")
+    args = parser.parse_args()
+    store = ObjectStore(args.store)
+    results = [measure(store, run_id) for run_id in args.run_ids]
+    for r in results:
+        print(f"measured {r['run_id']}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(table(results).to_markdown(index=False))
+
+
+if __name__ == "__main__":
+    main()

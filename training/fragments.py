@@ -1,0 +1,72 @@
+"""Fragments: the model split into parameter groups that are exchanged one at a time.
+
+Layout. Transformer blocks are dealt to fragments `strided` (block b goes to fragment b mod F,
+as Streaming DiLoCo found better than contiguous groups) or `contiguous` (consecutive blocks
+together). Tensors outside the blocks (embeddings, final norm, head) go, largest first, to the
+fragment that is smallest so far, which keeps fragments near equal in size.
+
+Schedule. Round t exchanges fragment t mod F, so each round moves about 1/F of the model and
+every fragment is synchronised once every F rounds (after F rounds of local progress). The
+butterfly stage of an exchange follows the fragment's own exchange count k = t div F (stage
+k mod S): with stage t mod S instead, F = S = 2 would send fragment 0 only within an island
+forever. With F = 1 this is today's schedule exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FragmentLayout:
+    """Positions in the flat parameter vector (as `flat_parameters` orders it) of each fragment."""
+
+    indices: tuple[torch.Tensor, ...]
+    names: tuple[tuple[str, ...], ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.indices)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [int(i.numel()) for i in self.indices]
+
+    @classmethod
+    def build(cls, model: torch.nn.Module, fragments: int, layout: str = "strided") -> "FragmentLayout":
+        tensors, offset = [], 0
+        for name, p in model.named_parameters():
+            tensors.append((name, offset, p.numel()))
+            offset += p.numel()
+        blocks = sorted({int(name.split(".")[1]) for name, _, _ in tensors if name.startswith("blocks.")})
+        if fragments > max(1, len(blocks)):
+            raise ValueError(f"fragments: {fragments} but the model has {len(blocks)} blocks to split")
+        owner: dict[str, int] = {}
+        for name, _, _ in tensors:
+            if name.startswith("blocks."):
+                b = blocks.index(int(name.split(".")[1]))
+                owner[name] = b % fragments if layout == "strided" else b * fragments // len(blocks)
+        load = [0] * fragments
+        for name, _, numel in tensors:
+            if name in owner:
+                load[owner[name]] += numel
+        for name, _, numel in sorted((t for t in tensors if t[0] not in owner), key=lambda t: -t[2]):
+            owner[name] = min(range(fragments), key=lambda f: load[f])
+            load[owner[name]] += numel
+        indices, names = [], []
+        for f in range(fragments):
+            mine = [(name, start, numel) for name, start, numel in tensors if owner[name] == f]
+            indices.append(torch.cat([torch.arange(start, start + numel) for _, start, numel in mine]))
+            names.append(tuple(name for name, _, _ in mine))
+        return cls(tuple(indices), tuple(names))
+
+
+def fragment_of_round(round_index: int, fragments: int) -> int:
+    return round_index % fragments
+
+
+def exchange_count(round_index: int, fragments: int) -> int:
+    """How many times this round's fragment was exchanged before: it picks the butterfly stage."""
+    return round_index // fragments
