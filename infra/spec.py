@@ -104,10 +104,26 @@ class DataSpec(SpecModel):
         return self
 
 
+class ShampooSpec(SpecModel):
+    """Settings of the Shampoo outer optimizer (pytorch-optimizer's ScalableShampoo)."""
+
+    graft: Literal["sgd", "adagrad", "rmsprop"] = Field(
+        "sgd", description="Optimizer whose per-parameter step norm the Shampoo direction is grafted onto.")
+    beta2: float = Field(0.99, gt=0, lt=1, description="Decay of the preconditioner statistics (moving average).")
+    start_preconditioning_step: int = Field(
+        2, ge=1, description="Outer step from which Shampoo's direction is used; before it, the graft's step.")
+    preconditioning_compute_steps: int = Field(1, ge=1, description="Recompute the inverse roots every this many outer steps.")
+    block_size: int = Field(512, ge=8, description="Dimensions above this are split into blocks of this size.")
+    matrix_eps: float = Field(1e-6, gt=0, description="Ridge added to the statistics before inverse roots.")
+
+
 class OuterOptimizerSpec(SpecModel):
-    name: Literal["nesterov"] = Field("nesterov", description="Outer optimizer applied to mixed pseudo-gradients.")
+    name: Literal["nesterov", "shampoo"] = Field(
+        "nesterov", description="Outer optimizer applied to mixed pseudo-gradients: nesterov (DiLoCo's SGD with "
+                                "Nesterov momentum) or shampoo (Shampoo with grafting).")
     lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
-    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9); shampoo's beta1.")
+    shampoo: ShampooSpec = Field(default_factory=ShampooSpec, description="Shampoo settings, used when name is shampoo.")
 
 
 class SyncSpec(SpecModel):

@@ -97,7 +97,7 @@ class Learner:
         self.model = build_model(spec).to(self.device)
         self.inner = torch.optim.AdamW(self.model.parameters(), lr=spec.sync.inner_lr,
                                        weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
-        self.outer = OuterOptimizer.from_spec(spec.sync.outer, flat_parameters(self.model).numel())
+        self.outer = OuterOptimizer.from_spec(spec.sync.outer, [p.shape for p in self.model.parameters()])
         manifest = store.get_json(layout.DATA_MANIFEST)
         shard = read_stream(store, manifest["shards"][index])
         self.sampler = WindowSampler(shard, self.slot.island.seq_len, seed=spec.seed)
@@ -170,18 +170,20 @@ class Learner:
                 if key.endswith("/checkpoint.json")]
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors = {"weights": flat_parameters(self.model).cpu(), **self.outer.state_tensors()}
+        outer_tensors, outer_scalars = self.outer.state()
+        tensors = {"weights": flat_parameters(self.model).cpu(), **outer_tensors}
         for i, p in enumerate(self.model.parameters()):
             for name, value in self.inner.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
                     tensors[f"inner.{i}.{name}"] = value.cpu()
         first = self.inner.state.get(next(self.model.parameters()), {})
         # The traffic counters ride along, so a restarted learner's report still counts its earlier life.
-        return tensors, {"inner_step": int(first.get("step", 0)), "traffic": asdict(self.traffic)}
+        return tensors, {"inner_step": int(first.get("step", 0)), "outer": outer_scalars,
+                         "traffic": asdict(self.traffic)}
 
     def _load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         load_flat_parameters(self.model, tensors["weights"].to(self.device))
-        self.outer.load_state_tensors(tensors)
+        self.outer.load_state(tensors, meta.get("outer", {}))
         for i, p in enumerate(self.model.parameters()):
             if f"inner.{i}.exp_avg" in tensors:
                 self.inner.state[p] = {"step": torch.tensor(float(meta["inner_step"])),
