@@ -140,6 +140,10 @@ class SyncSpec(SpecModel):
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the inner schedule.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
     partner_timeout_s: float = Field(600, gt=0, description="How long a learner waits for a partner's message.")
+    partner_wait_rounds: float | None = Field(
+        None, gt=0, description="If set, a learner also waits at most this many times its own round's compute "
+                                "time for its partners, so a slow island holds a fast one back by at most about "
+                                "a round; the late partner still mixes with the message when it gets there.")
 
 
 class StoreSpec(SpecModel):

@@ -60,3 +60,13 @@ def test_weighted_mean_weights_each_learner_by_the_tokens_it_processed():
     mixed = weighted_mean(deltas, tokens)
     torch.testing.assert_close(mixed, torch.full((4,), (1 * 1 + 2 * 1 + 4 * 2) / 4))
     assert not torch.allclose(mixed, torch.stack(deltas).mean(dim=0))
+
+
+def test_partner_wait_is_bounded_by_a_round_of_own_compute_when_asked():
+    from infra.spec import SyncSpec
+    from training.learner import partner_wait_s
+
+    assert partner_wait_s(SyncSpec(rounds=3, partner_timeout_s=600), 12.0) is None  # per-peer timeout as before
+    bounded = SyncSpec(rounds=3, partner_timeout_s=600, partner_wait_rounds=1.0)
+    assert partner_wait_s(bounded, 12.0) == 12.0
+    assert partner_wait_s(bounded, 5000.0) == 600  # never past the hard timeout

@@ -87,6 +87,14 @@ def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
+def partner_wait_s(sync, round_compute_s: float) -> float | None:
+    """With `sync.partner_wait_rounds`, how long after its inner steps a learner waits for all of this
+    round's peers together; None: each peer gets `sync.partner_timeout_s`."""
+    if sync.partner_wait_rounds is None:
+        return None
+    return min(sync.partner_timeout_s, sync.partner_wait_rounds * round_compute_s)
+
+
 class Learner:
     def __init__(self, spec: RunSpec, store: ObjectStore, index: int, rank: int = 0, world: int = 1):
         self.spec, self.store = spec, store
@@ -104,6 +112,7 @@ class Learner:
         self.rows = self.slot.island.batch_size // world
         self.traffic = Traffic()
         self.start_round = 0
+        self.sync_deadline: float | None = None
         self.rejoined_from: dict | None = None
 
     # -- state ------------------------------------------------------------------------------------
@@ -281,7 +290,9 @@ class Learner:
 
     def _receive(self, peer: int, round_index: int) -> tuple[dict[str, torch.Tensor], dict] | None:
         key = layout.message(peer, round_index)
-        if not self.store.wait_for(f"{key}.json", self.spec.sync.partner_timeout_s):
+        timeout = (self.spec.sync.partner_timeout_s if self.sync_deadline is None
+                   else max(0.0, self.sync_deadline - time.monotonic()))
+        if not self.store.wait_for(f"{key}.json", timeout):
             return self._missed(peer, round_index, "deadline")
         try:
             tensors, meta, nbytes = self.store.read_committed(key)
@@ -319,6 +330,8 @@ class Learner:
         anchor = flat_parameters(self.model)
         loss = self.inner_steps(t)
         computed = time.monotonic()
+        wait = partner_wait_s(self.spec.sync, computed - round_started)
+        self.sync_deadline = None if wait is None else computed + wait
         delta = anchor - flat_parameters(self.model)
         if self.rank == 0:
             next_anchor = self.synchronise(t, anchor.cpu(), delta.cpu()).to(self.device)
