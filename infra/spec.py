@@ -82,8 +82,8 @@ class CorpusSpec(SpecModel):
     max_eval_bytes: int = Field(200_000, ge=1000,
                                 description="Held-out documents are taken whole until this many bytes.")
     validation_fraction: float = Field(
-        0.05, ge=0, lt=1, description="Share of the training documents held out as a validation split, for "
-                                      "tuning only (never the evaluation); 0 keeps none.")
+        0.0, ge=0, lt=1, description="Share of the training documents held out as a validation split, for "
+                                     "tuning only (never the evaluation); 0 keeps none.")
     max_validation_bytes: int = Field(100_000, ge=1000,
                                       description="Validation documents are taken whole until this many bytes.")
 
