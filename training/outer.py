@@ -53,8 +53,9 @@ class OuterOptimizer:
             preconditioning_compute_steps=shampoo.preconditioning_compute_steps,
             block_size=shampoo.block_size, matrix_eps=shampoo.matrix_eps,
             # Inverse roots by SVD: the library's default Schur-Newton iteration seeds a power
-            # iteration from the global RNG, so two partners mixing the same inputs (and a
-            # restored learner) would not land on bit-identical anchors.
+            # iteration from the global RNG, so learners with the same inputs and state (all of
+            # them in allreduce mode; a restored learner and its uninterrupted self) would not
+            # land on bit-identical anchors.
             use_svd=True),
             materialise_state=_init_pytorch_optimizer_state)
 
