@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup demo test bench ui browser clean
+.PHONY: setup demo test bench bench-quality ui browser clean
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ ui: setup
 
 bench: setup
 	$(BIN)/python bench/inner_loop.py
+
+# About 90 minutes on 2 idle cores; resumes arm by arm (bench/results/quality/).
+bench-quality: setup
+	$(BIN)/python -m bench.quality
 
 clean:
 	rm -rf $(VENV) .archipelago reports *.egg-info

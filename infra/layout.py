@@ -20,6 +20,11 @@ def heldout(corpus: str) -> str:
     return f"data/heldout/{corpus}.safetensors"
 
 
+def validation(corpus: str) -> str:
+    """Documents held out from training for tuning; separate from the evaluation's held-out set."""
+    return f"data/validation/{corpus}.safetensors"
+
+
 def learner_prefix(learner: int) -> str:
     return f"learners/{learner:03d}"
 

@@ -131,6 +131,11 @@ class CorpusSpec(SpecModel):
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of documents held out for evaluation.")
     max_eval_bytes: int = Field(200_000, ge=1000,
                                 description="Held-out documents are taken whole until this many bytes.")
+    validation_fraction: float = Field(
+        0.0, ge=0, lt=1, description="Share of the training documents held out as a validation split, for "
+                                     "tuning only (never the evaluation); 0 keeps none.")
+    max_validation_bytes: int = Field(100_000, ge=1000,
+                                      description="Validation documents are taken whole until this many bytes.")
 
     @model_validator(mode="after")
     def _source_arguments(self) -> "CorpusSpec":
@@ -154,10 +159,26 @@ class DataSpec(SpecModel):
         return self
 
 
+class ShampooSpec(SpecModel):
+    """Settings of the Shampoo outer optimizer (pytorch-optimizer's ScalableShampoo)."""
+
+    graft: Literal["sgd", "adagrad", "rmsprop"] = Field(
+        "sgd", description="Optimizer whose per-parameter step norm the Shampoo direction is grafted onto.")
+    beta2: float = Field(0.99, gt=0, lt=1, description="Decay of the preconditioner statistics (moving average).")
+    start_preconditioning_step: int = Field(
+        2, ge=1, description="Outer step from which Shampoo's direction is used; before it, the graft's step.")
+    preconditioning_compute_steps: int = Field(1, ge=1, description="Recompute the inverse roots every this many outer steps.")
+    block_size: int = Field(512, ge=8, description="Dimensions above this are split into blocks of this size.")
+    matrix_eps: float = Field(1e-6, gt=0, description="Ridge added to the statistics before inverse roots.")
+
+
 class OuterOptimizerSpec(SpecModel):
-    name: Literal["nesterov"] = Field("nesterov", description="Outer optimizer applied to mixed pseudo-gradients.")
+    name: Literal["nesterov", "shampoo"] = Field(
+        "nesterov", description="Outer optimizer applied to mixed pseudo-gradients: nesterov (DiLoCo's SGD with "
+                                "Nesterov momentum) or shampoo (Shampoo with grafting).")
     lr: float = Field(0.7, gt=0, description="Outer learning rate (DiLoCo: 0.7).")
-    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9).")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Outer Nesterov momentum (DiLoCo: 0.9); shampoo's beta1.")
+    shampoo: ShampooSpec = Field(default_factory=ShampooSpec, description="Shampoo settings, used when name is shampoo.")
 
 
 class BandwidthSpec(SpecModel):
@@ -200,6 +221,10 @@ class SyncSpec(SpecModel):
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the inner schedule.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
     partner_timeout_s: float = Field(600, gt=0, description="How long a learner waits for a partner's message.")
+    partner_wait_rounds: float | None = Field(
+        None, gt=0, description="If set, a learner also waits at most this many times its own round's compute "
+                                "time for its partners, so a slow island holds a fast one back by at most about "
+                                "a round; the late partner still mixes with the message when it gets there.")
     transport: TransportSpec = Field(default_factory=TransportSpec,
                                      description="Fragments, overlap, compression and bandwidth of the exchanges.")
 

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from training.data import Document, encode, shard_documents, split_documents, text_bytes
+from training.data import Document, encode, shard_documents, split_documents, split_validation, text_bytes
 from training.model import BOS
 
 
@@ -40,3 +40,13 @@ def test_encoding_counts_text_bytes_only():
     assert stream[0] == BOS and int((stream == BOS).sum()) == 2
     assert text_bytes(stream) == len("héllo".encode()) + 2
     assert bytes(stream[stream != BOS].to(torch.uint8).tolist()) == "héllo".encode() + b"ok"
+
+
+def test_validation_is_carved_from_training_by_whole_document_and_leaves_the_evaluation_alone():
+    corpus = docs(80)
+    train, held = split_documents(corpus, eval_fraction=0.1, max_eval_bytes=5000, seed=3)
+    still_training, validation = split_validation(train, fraction=0.1, max_bytes=4000, seed=3)
+    sides = [{d.id for d in side} for side in (still_training, validation, held)]
+    assert all(sides) and sum(map(len, sides)) == len(corpus) and set.union(*sides) == {d.id for d in corpus}
+    assert 0 < sum(d.nbytes for d in validation) <= 4000
+    assert split_validation(train, 0.0, 4000, seed=3) == (train, [])

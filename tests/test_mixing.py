@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from training.mixing import butterfly_average, butterfly_partner, mix_pair, stage_count
+from training.mixing import butterfly_average, butterfly_partner, mix_pair, stage_count, weighted_mean
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
@@ -51,3 +51,22 @@ def test_mix_pair_agrees_bitwise_for_both_partners_and_weights_tokens():
     assert torch.equal(left[0], right[0]) and torch.equal(left[1], right[1])
     torch.testing.assert_close(left[0], (a_anchor + b_anchor) / 2)
     torch.testing.assert_close(left[1], 0.75 * a_delta + 0.25 * b_delta)
+
+
+def test_weighted_mean_weights_each_learner_by_the_tokens_it_processed():
+    # The all-reduce path: three learners from islands with different batch sizes and inner steps.
+    deltas = [torch.full((4,), 1.0), torch.full((4,), 2.0), torch.full((4,), 4.0)]
+    tokens = [8 * 20 * 128, 16 * 10 * 128, 32 * 5 * 128 * 2]
+    mixed = weighted_mean(deltas, tokens)
+    torch.testing.assert_close(mixed, torch.full((4,), (1 * 1 + 2 * 1 + 4 * 2) / 4))
+    assert not torch.allclose(mixed, torch.stack(deltas).mean(dim=0))
+
+
+def test_partner_wait_is_bounded_by_a_round_of_own_compute_when_asked():
+    from infra.spec import SyncSpec
+    from training.learner import partner_wait_s
+
+    assert partner_wait_s(SyncSpec(rounds=3, partner_timeout_s=600), 12.0) is None  # per-peer timeout as before
+    bounded = SyncSpec(rounds=3, partner_timeout_s=600, partner_wait_rounds=1.0)
+    assert partner_wait_s(bounded, 12.0) == 12.0
+    assert partner_wait_s(bounded, 5000.0) == 600  # never past the hard timeout

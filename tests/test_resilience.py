@@ -108,3 +108,25 @@ def test_more_learners_than_documents_stops_before_training(tmp_path):
         "sync": {"rounds": 1}, "store": {"url": str(tmp_path / "store")}})
     with pytest.raises(ValueError, match="3 learners but only 2 training documents"):
         prepare_dataset(spec, ObjectStore(spec.store.url))
+
+
+@pytest.mark.parametrize("outer", [{"name": "nesterov", "lr": 0.7, "momentum": 0.9},
+                                   {"name": "shampoo", "lr": 0.7, "momentum": 0.9,
+                                    "shampoo": {"graft": "sgd", "start_preconditioning_step": 2}}])
+def test_a_restarted_learner_continues_exactly_with_its_outer_optimizer_state(run, outer):
+    spec, store = run(outer=outer)
+    uninterrupted = ObjectStore(spec.store.url).child("runs/uninterrupted")
+    uninterrupted.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, uninterrupted)
+    straight = Learner(spec, uninterrupted, 0)
+    straight.resume()
+    for t in range(3):
+        straight.run_round(t)
+    first = Learner(spec, store, 0)
+    first.resume()
+    for t in range(2):
+        first.run_round(t)
+    again = Learner(spec, store, 0)  # a new process: outer state only from the checkpoint
+    again.resume()
+    again.run_round(2)
+    assert torch.equal(flat_parameters(again.model), flat_parameters(straight.model))

@@ -26,6 +26,8 @@ def test_demo_config_is_valid_and_heterogeneous():
     (lambda r: r["sync"].update(mode="ring"), "sync.mode"),
     (lambda r: r["model"].update(heads=3), "model"),
     (lambda r: r.pop("data"), "data"),
+    (lambda r: r["sync"].update(outer={"name": "shampoo", "shampoo": {"graft": "lion"}}), "sync.outer.shampoo.graft"),
+    (lambda r: r["sync"].update(outer={"name": "adam"}), "sync.outer.name"),
 ])
 def test_invalid_input_names_the_field(edit, field):
     raw = demo_raw()

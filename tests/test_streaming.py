@@ -22,7 +22,7 @@ def run(tmp_path):
     for i in range(6):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
-    def make(partner_timeout_s=30, **transport):
+    def make(partner_timeout_s=30, outer=None, **transport):
         spec = parse_spec({
             "name": "streaming",
             "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 3},
@@ -31,6 +31,7 @@ def run(tmp_path):
             "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
                                   "eval_fraction": 0.2}]},
             "sync": {"mode": "butterfly", "rounds": 6, "warmup_steps": 1, "partner_timeout_s": partner_timeout_s,
+                     **({"outer": outer} if outer else {}),
                      "transport": {"fragments": 2, "tau": 1, "compression": "int8", **transport}},
             "store": {"url": str(tmp_path / "store")},
         })
@@ -80,8 +81,10 @@ def test_a_checkpoint_written_with_an_exchange_in_flight_records_it(run):
     assert {"weights", "anchors", "residual.anchor", "residual.delta"} <= set(tensors)
 
 
-def test_a_learner_killed_with_an_exchange_in_flight_applies_it_exactly_once(run, monkeypatch):
-    spec, store = run()
+@pytest.mark.parametrize("outer", [None, {"name": "shampoo", "lr": 1.0, "momentum": 0.5,
+                                         "shampoo": {"start_preconditioning_step": 1}}])
+def test_a_learner_killed_with_an_exchange_in_flight_applies_it_exactly_once(run, monkeypatch, outer):
+    spec, store = run(outer=outer)  # Shampoo: one optimizer per fragment, over that fragment's matrices
     learners = [Learner(spec, store, i) for i in range(2)]
     for learner in learners:
         learner.resume()

@@ -3,6 +3,10 @@
 Documents become one byte stream each, prefixed by `BOS`. Which side of the split a document
 lands on depends only on a hash of its id and the seed, so adding a corpus or changing the
 number of learners never moves a document between training and evaluation.
+
+Three sides, by whole document: the evaluation's held-out set, a validation set carved from what
+is left (a separately salted hash, so the evaluation set is the same with or without it), and
+training. Validation is for tuning settings; the evaluation set is only ever reported.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class Document:
         return len(self.text.encode("utf-8"))
 
 
-def _rank(doc_id: str, seed: int) -> str:
+def _rank(doc_id: str, seed: int | str) -> str:
     return hashlib.sha256(f"{seed}:{doc_id}".encode()).hexdigest()
 
 
@@ -104,7 +108,7 @@ def load_documents(corpus, seed: int) -> list[Document]:
 
 
 def split_documents(docs: list[Document], eval_fraction: float, max_eval_bytes: int,
-                    seed: int) -> tuple[list[Document], list[Document]]:
+                    seed: int | str) -> tuple[list[Document], list[Document]]:
     """Whole documents to either side. Held-out candidates beyond `max_eval_bytes` go back to training."""
     ranked = sorted(docs, key=lambda d: _rank(d.id, seed))
     candidates = max(1, round(len(ranked) * eval_fraction))
@@ -119,6 +123,14 @@ def split_documents(docs: list[Document], eval_fraction: float, max_eval_bytes: 
     if not train:
         raise ValueError("no training documents left after the held-out split")
     return train, held_out
+
+
+def split_validation(train: list[Document], fraction: float, max_bytes: int,
+                     seed: int) -> tuple[list[Document], list[Document]]:
+    """Whole training documents set aside for tuning: (still training, validation)."""
+    if fraction == 0:
+        return train, []
+    return split_documents(train, fraction, max_bytes, seed=f"{seed}:validation")
 
 
 def shard_documents(docs: list[Document], shares: list[float]) -> list[list[Document]]:
@@ -186,10 +198,16 @@ def prepare_dataset(spec, store) -> dict:
     learners = spec.learners
     shares = [slot.tokens_per_round() * spec.sync.rounds for slot in learners]
     per_learner: list[list[Document]] = [[] for _ in learners]
-    heldout, corpora = {}, {}
+    heldout, validation, corpora = {}, {}, {}
     for corpus in spec.data.corpora:
         docs = load_documents(corpus, spec.seed)
         train, held = split_documents(docs, corpus.eval_fraction, corpus.max_eval_bytes, spec.seed)
+        train, tuning = split_validation(train, corpus.validation_fraction, corpus.max_validation_bytes, spec.seed)
+        if tuning:
+            tuning_stream = encode(tuning)
+            ref = store.put_tensors(layout.validation(corpus.name), {"tokens": tuning_stream})
+            validation[corpus.name] = {"object": ref.to_json(), "documents": len(tuning),
+                                       "bytes": text_bytes(tuning_stream)}
         for shard, assigned in zip(per_learner, shard_documents(train, shares)):
             shard.extend(assigned)
         stream = encode(held)
@@ -205,7 +223,7 @@ def prepare_dataset(spec, store) -> dict:
                        "documents": len(docs), "bytes": text_bytes(stream),
                        "planned_tokens": shares[slot.index],
                        "document_ids": sorted(d.id for d in docs)})
-    manifest = {"shards": shards, "heldout": heldout, "corpora": corpora}
+    manifest = {"shards": shards, "heldout": heldout, "validation": validation, "corpora": corpora}
     store.put_json(layout.DATA_MANIFEST, manifest)
     return manifest
 

@@ -131,6 +131,14 @@ def emit(event: str, **fields) -> None:
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
+def partner_wait_s(sync, round_compute_s: float) -> float | None:
+    """With `sync.partner_wait_rounds`, how long after its inner steps a learner waits for all of this
+    round's peers together; None: each peer gets `sync.partner_timeout_s`."""
+    if sync.partner_wait_rounds is None:
+        return None
+    return min(sync.partner_timeout_s, sync.partner_wait_rounds * round_compute_s)
+
+
 class Learner:
     def __init__(self, spec: RunSpec, store: ObjectStore, index: int, rank: int = 0, world: int = 1):
         self.spec, self.store = spec, store
@@ -143,7 +151,10 @@ class Learner:
                                        weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
         transport = spec.sync.transport
         self.fragments = FragmentLayout.build(self.model, transport.fragments, transport.layout)
-        self.outers = [OuterOptimizer.from_spec(spec.sync.outer, size) for size in self.fragments.sizes]
+        shapes = {name: p.shape for name, p in self.model.named_parameters()}
+        # Shampoo preconditions each weight matrix: every fragment's optimizer sees its parameters' shapes.
+        self.outers = [OuterOptimizer.from_spec(spec.sync.outer, [shapes[name] for name in names])
+                       for names in self.fragments.names]
         # Where each fragment last synchronised; with one fragment and tau 0, the round's start weights.
         self.anchors = flat_parameters(self.model).cpu()
         self.codec = Codec(transport.compression, transport.scale_chunk, transport.topk)
@@ -161,6 +172,7 @@ class Learner:
         self.rows = self.slot.island.batch_size // world
         self.traffic = Traffic()
         self.start_round = 0
+        self.sync_deadline: float | None = None
         self.rejoined_from: dict | None = None
 
     # -- state ------------------------------------------------------------------------------------
@@ -234,7 +246,8 @@ class Learner:
                 if key.endswith("/checkpoint.json")]
 
     def _state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        tensors = {"weights": flat_parameters(self.model).cpu(), **self._outer_state(), **self.feedback.state_tensors()}
+        outer_tensors, outer_scalars = self._outer_state()
+        tensors = {"weights": flat_parameters(self.model).cpu(), **outer_tensors, **self.feedback.state_tensors()}
         if self.fragments.count > 1 or self.pending is not None:
             tensors["anchors"] = self.anchors.clone()
         for i, p in enumerate(self.model.parameters()):
@@ -245,25 +258,31 @@ class Learner:
         # The traffic counters ride along, so a restarted learner's report still counts its earlier life.
         self.traffic.links = self.transport.report()
         pending = None if self.pending is None else {"round": self.pending.round, "fragment": self.pending.fragment}
-        return tensors, {"inner_step": int(first.get("step", 0)), "traffic": asdict(self.traffic), "pending": pending}
+        return tensors, {"inner_step": int(first.get("step", 0)), "outer": outer_scalars,
+                         "traffic": asdict(self.traffic), "pending": pending}
 
-    def _outer_state(self) -> dict[str, torch.Tensor]:
+    def _outer_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         if len(self.outers) == 1:
-            return self.outers[0].state_tensors()
-        return {f"fragment-{f}.{k}": v for f, outer in enumerate(self.outers) for k, v in outer.state_tensors().items()}
+            return self.outers[0].state()
+        tensors, scalars = {}, {}
+        for f, outer in enumerate(self.outers):
+            fragment_tensors, scalars[f"fragment-{f}"] = outer.state()
+            tensors.update({f"fragment-{f}.{k}": v for k, v in fragment_tensors.items()})
+        return tensors, scalars
 
-    def _load_outer_state(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _load_outer_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
         if len(self.outers) == 1:
-            self.outers[0].load_state_tensors(tensors)
+            self.outers[0].load_state(tensors, scalars)
             return
         for f, outer in enumerate(self.outers):
             prefix = f"fragment-{f}."
-            outer.load_state_tensors({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+            outer.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                             scalars.get(f"fragment-{f}", {}))
 
     def _load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         load_flat_parameters(self.model, tensors["weights"].to(self.device))
         self.anchors = tensors.get("anchors", tensors["weights"]).float().cpu().clone()
-        self._load_outer_state(tensors)
+        self._load_outer_state(tensors, meta.get("outer", {}))
         self.feedback.load_state_tensors(tensors)
         for i, p in enumerate(self.model.parameters()):
             if f"inner.{i}.exp_avg" in tensors:
@@ -436,7 +455,9 @@ class Learner:
 
     def _receive(self, peer: int, round_index: int) -> tuple[dict[str, torch.Tensor], dict] | None:
         key = self._message_key(peer, round_index)
-        if not self.store.wait_for(f"{key}.json", self.spec.sync.partner_timeout_s):
+        timeout = (self.spec.sync.partner_timeout_s if self.sync_deadline is None
+                   else max(0.0, self.sync_deadline - time.monotonic()))
+        if not self.store.wait_for(f"{key}.json", timeout):
             return self._missed(peer, round_index, "deadline")
         link = self._link(peer)
         try:
@@ -524,6 +545,8 @@ class Learner:
         if self.pending is not None:  # tau equals this island's inner steps
             self._apply_pending()
         sending = time.monotonic()
+        wait = partner_wait_s(self.spec.sync, sending - round_started - self._sync_seconds)
+        self.sync_deadline = None if wait is None else sending + wait
         if self.rank == 0:
             self.pending = self._start_exchange(t, self.anchors, flat_parameters(self.model).cpu())
         else:

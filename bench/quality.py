@@ -1,0 +1,353 @@
+"""Quality at equal compute: standard training against the islands run, over seeds, with ablations.
+
+Every arm is defined in `ARMS` below. An arm trains one model (the islands run: learners as real
+OS processes exchanging through a local object store, then consolidation; or the standard
+baseline) on the same data and token count as its counterpart, scores it in bits per byte on both
+held-out evaluations and on the validation split, and writes `arms/<arm>.json` when it finishes.
+A rerun skips finished arms, so the benchmark resumes arm by arm. Progress (with ETA) goes to
+stdout and to `progress.log`; the table is rewritten after every arm, as `table.md` and
+`table.json`, from whatever arms have finished.
+
+    .venv/bin/python -m bench.quality                 # everything, main comparison first
+    .venv/bin/python -m bench.quality --arms islands-s0 standard-s0
+    .venv/bin/python -m bench.quality --table         # only rebuild the table
+    .venv/bin/python -m bench.quality --tune          # outer-optimizer settings, scored on validation only
+
+Tuning (`--tune`) runs shorter islands arms with candidate outer settings and ranks them by the
+validation split's bpb; the held-out evaluations are never used to choose settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eval.bpb import bits_per_byte
+from eval.evaluate import load_model
+from infra import layout
+from infra.launch import LearnerProcess, run_learner
+from infra.spec import RunSpec, parse_spec
+from infra.store import run_store
+from tasks.training import threads_per_process
+from training.baseline import train_baseline
+from training.consolidate import consolidate
+from training.data import prepare_dataset, read_stream
+from training.learner import build_model
+
+RESULTS = Path("bench/results/quality")
+SEEDS = (0, 1, 2)
+ROUNDS = 60
+
+# The outer optimizer of the main islands arm, chosen on the validation split (`--tune`, 8 rounds,
+# seed 0; results in tuning.md): best of lr {1.0, 1.3} x momentum {0, 0.5, 0.8}.
+SHAMPOO = {"name": "shampoo", "lr": 1.0, "momentum": 0.5, "shampoo": {"graft": "sgd"}}
+
+
+def base_spec(seed: int, rounds: int = ROUNDS) -> dict:
+    """Two heterogeneous islands (batch size, inner steps per round), four learners, 0.5 M parameters.
+
+    Both islands push the same tokens per round (8 x 20 and 16 x 10 rows of 128 bytes), so neither
+    waits for the other; the token-weighted mix would also cover unequal rounds.
+    """
+    return {
+        "name": "quality",
+        "seed": seed,
+        "islands": [
+            {"name": "east", "accelerator": "GB300 (simulated on CPU)", "learners": 2, "batch_size": 8,
+             "seq_len": 128, "inner_steps": 20},
+            {"name": "west", "accelerator": "B300 (simulated on CPU)", "learners": 2, "batch_size": 16,
+             "seq_len": 128, "inner_steps": 10},
+        ],
+        "model": {"layers": 2, "width": 128, "heads": 4},
+        "data": {"corpora": [
+            {"name": "prose", "source": "shakespeare", "eval_fraction": 0.1, "max_eval_bytes": 150_000,
+             "validation_fraction": 0.05, "max_validation_bytes": 100_000},
+            {"name": "code", "source": "python_stdlib", "max_documents": 800, "eval_fraction": 0.1,
+             "max_eval_bytes": 150_000, "validation_fraction": 0.05, "max_validation_bytes": 100_000},
+        ]},
+        "sync": {"mode": "butterfly", "rounds": rounds, "inner_lr": 3e-3, "warmup_steps": 20, "outer": SHAMPOO},
+        "store": {"url": str(RESULTS / "store")},
+    }
+
+
+@dataclass(frozen=True)
+class Arm:
+    name: str
+    kind: str  # "islands" or "standard"
+    seed: int
+    group: str  # "main", "ablation" or "tuning"
+    changes: dict = field(default_factory=dict)  # deep-merged into base_spec(seed)
+    compare_to: str | None = None  # the standard arm an ablation is measured against
+
+    def spec(self) -> RunSpec:
+        raw = base_spec(self.seed)
+        merge(raw, self.changes)
+        return parse_spec(raw)
+
+
+def merge(into: dict, changes: dict) -> None:
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict) and key != "outer":
+            merge(into[key], value)
+        else:
+            into[key] = value
+
+
+MOE = {"model": {"moe": {"experts": 4, "top_k": 1, "balance_loss_weight": 0.01}}}
+ARMS = [
+    *(arm for seed in SEEDS for arm in (Arm(f"standard-s{seed}", "standard", seed, "main"),
+                                        Arm(f"islands-s{seed}", "islands", seed, "main",
+                                            compare_to=f"standard-s{seed}"))),
+    # Ablations, seed 0, each changing one thing of islands-s0.
+    Arm("islands-nesterov-s0", "islands", 0, "ablation",
+        {"sync": {"outer": {**SHAMPOO, "name": "nesterov"}}}, compare_to="standard-s0"),
+    Arm("islands-diloco-s0", "islands", 0, "ablation",
+        {"sync": {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}, compare_to="standard-s0"),
+    Arm("islands-allreduce-s0", "islands", 0, "ablation", {"sync": {"mode": "allreduce"}}, compare_to="standard-s0"),
+    Arm("standard-moe-s0", "standard", 0, "ablation", MOE, compare_to="standard-s0"),
+    Arm("islands-moe-s0", "islands", 0, "ablation", MOE, compare_to="standard-moe-s0"),
+]
+ABLATION_NOTES = {
+    "islands-nesterov-s0": "Nesterov outer with the Shampoo arm's lr and momentum (no preconditioning)",
+    "islands-diloco-s0": "DiLoCo's outer Nesterov, lr 0.7, momentum 0.9",
+    "islands-allreduce-s0": "all-reduce of pseudo-gradients instead of butterfly pairs",
+    "standard-moe-s0": "standard training of the sparse MoE (4 experts, top-1) against the dense model: "
+                       "equal active parameters",
+    "islands-moe-s0": "sparse MoE feed-forward (4 experts, top-1), against standard training of the same MoE",
+}
+
+
+def tuning_arms(rounds: int) -> list[Arm]:
+    """Candidate outer settings, seed 0, fewer rounds; ranked on the validation split only."""
+    candidates = {
+        "avg": {"name": "nesterov", "lr": 1.0, "momentum": 0.0},
+        "nesterov-1.0-0.5": {"name": "nesterov", "lr": 1.0, "momentum": 0.5},
+        "nesterov-0.7-0.9": {"name": "nesterov", "lr": 0.7, "momentum": 0.9},
+        "shampoo-sgd-1.0-0": {"name": "shampoo", "lr": 1.0, "momentum": 0.0, "shampoo": {"graft": "sgd"}},
+        "shampoo-sgd-1.0-0.5": {"name": "shampoo", "lr": 1.0, "momentum": 0.5, "shampoo": {"graft": "sgd"}},
+        "shampoo-sgd-1.3-0": {"name": "shampoo", "lr": 1.3, "momentum": 0.0, "shampoo": {"graft": "sgd"}},
+        "shampoo-sgd-1.3-0.5": {"name": "shampoo", "lr": 1.3, "momentum": 0.5, "shampoo": {"graft": "sgd"}},
+        "shampoo-sgd-1.0-0.8": {"name": "shampoo", "lr": 1.0, "momentum": 0.8, "shampoo": {"graft": "sgd"}},
+    }
+    arms = [Arm(f"tune-{rounds}r-standard", "standard", 0, "tuning", {"sync": {"rounds": rounds}})]
+    arms += [Arm(f"tune-{rounds}r-{name}", "islands", 0, "tuning", {"sync": {"rounds": rounds, "outer": outer}},
+                 compare_to=f"tune-{rounds}r-standard") for name, outer in candidates.items()]
+    return arms
+
+
+# -- running an arm --------------------------------------------------------------------------------
+
+class Log:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+    def __call__(self, message: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {message}"
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
+def train_islands(spec: RunSpec, run_id: str, log: Log) -> dict:
+    """Every learner as its own OS process (as the lifecycle runs them), then consolidation."""
+    threads = threads_per_process(spec)
+
+    def relay(line: str) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return
+        if event.get("event") == "round" and event["learner"] == 0 and event["round"] % 5 == 4:
+            log(f"  learner 0 round {event['round'] + 1}/{event['rounds']} loss {event['loss']:.3f} "
+                f"{event['tokens_per_s']:,} tok/s ETA {event['eta_s']:.0f} s")
+        elif event.get("event") in ("missed_exchange", "fault"):
+            log(f"  {event}")
+
+    with ThreadPoolExecutor(len(spec.learners)) as pool:
+        running = [pool.submit(run_learner, LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
+                               spec.store.url, None, run_id, relay) for slot in spec.learners]
+        for learner in running:
+            learner.result()
+    return consolidate(spec, run_store(spec.store, run_id))
+
+
+def score(spec: RunSpec, store, key: str) -> dict:
+    """bpb of a trained model on every held-out evaluation and on the validation split."""
+    manifest = store.get_json(layout.DATA_MANIFEST)
+    model, meta = load_model(spec, store, key)
+    out = {"tokens": meta["tokens"]}
+    for split in ("heldout", "validation"):
+        out[split] = {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len,
+                                          spec.eval.batch_size)["bpb"] for name, entry in manifest[split].items()}
+    return out
+
+
+def run_arm(arm: Arm, log: Log) -> dict:
+    spec = arm.spec()
+    run_id = f"{arm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    store = run_store(spec.store, run_id)
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, store)
+    started = time.monotonic()
+    extra = {}
+    if arm.kind == "islands":
+        extra["consensus"] = train_islands(spec, run_id, log)
+        key = layout.CONSOLIDATED
+    else:
+        train_baseline(spec, store, lambda p: log(f"  step {p['step']}/{p['steps']} loss {p['loss']:.3f} "
+                                                   f"{p['tokens_per_s']:,} tok/s ETA {p['eta_s']:.0f} s")
+                       if p["step"] % 100 == 1 else None)
+        key = layout.BASELINE
+    train_seconds = time.monotonic() - started
+    scores = score(spec, store, key)
+    result = {"arm": arm.name, "kind": arm.kind, "seed": arm.seed, "group": arm.group, "compare_to": arm.compare_to,
+              "bpb": scores["heldout"], "validation_bpb": scores["validation"], "tokens": scores["tokens"],
+              "train_seconds": round(train_seconds, 1), "parameters": build_model(spec).parameter_counts(),
+              "sync": spec.sync.model_dump(mode="json"), "model": spec.model.model_dump(mode="json"), **extra}
+    # Checkpoints of every round are gigabytes; the arm's figures are what the benchmark keeps.
+    shutil.rmtree(Path(spec.store.url) / "runs" / run_id, ignore_errors=True)
+    return result
+
+
+def arm_path(arm: Arm) -> Path:
+    return RESULTS / ("tuning" if arm.group == "tuning" else "arms") / f"{arm.name}.json"
+
+
+def run_arms(arms: list[Arm], log: Log) -> None:
+    todo = [a for a in arms if not arm_path(a).exists()]
+    log(f"{len(arms) - len(todo)} of {len(arms)} arms already finished; running {[a.name for a in todo]}")
+    durations: list[float] = []
+    for n, arm in enumerate(todo):
+        started = time.monotonic()
+        log(f"arm {n + 1}/{len(todo)} {arm.name} started")
+        result = run_arm(arm, log)
+        arm_path(arm).parent.mkdir(parents=True, exist_ok=True)
+        arm_path(arm).write_text(json.dumps(result, indent=2))
+        durations.append(time.monotonic() - started)
+        eta = statistics.mean(durations) * (len(todo) - n - 1)
+        log(f"arm {arm.name} done in {durations[-1]:.0f} s: bpb {fmt(result['bpb'])}, validation "
+            f"{fmt(result['validation_bpb'])}; ETA for the rest {eta / 60:.0f} min")
+        write_table(log)
+
+
+def fmt(scores: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
+
+
+# -- the table -------------------------------------------------------------------------------------
+
+def load_results(folder: str = "arms") -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / folder).glob("*.json"))}
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def build_table(results: dict[str, dict]) -> dict:
+    main = [(results.get(f"standard-s{s}"), results.get(f"islands-s{s}")) for s in SEEDS]
+    pairs = [(std, isl) for std, isl in main if std and isl]
+    table = {"seeds": [std["seed"] for std, _ in pairs], "main": {}, "ablations": [], "parameters": {}}
+    if pairs:
+        for name in pairs[0][0]["bpb"]:
+            std = [p[0]["bpb"][name] for p in pairs]
+            isl = [p[1]["bpb"][name] for p in pairs]
+            rel = [i / s - 1 for s, i in zip(std, isl)]
+            table["main"][name] = {"standard": spread(std), "islands": spread(isl), "relative": spread(rel),
+                                   "relative_of_means": spread(isl)[0] / spread(std)[0] - 1}
+    for name, result in results.items():
+        if result["group"] == "ablation" or name == "islands-s0":
+            base = results.get(result.get("compare_to") or "")
+            if base:
+                table["ablations"].append({"arm": name, "note": ABLATION_NOTES.get(name, "main islands arm, seed 0"),
+                                           "bpb": result["bpb"], "baseline": base["arm"],
+                                           "relative": {k: v / base["bpb"][k] - 1 for k, v in result["bpb"].items()},
+                                           "max_weight_distance": result.get("consensus", {}).get("max_weight_distance")})
+        table["parameters"][json.dumps(result["model"].get("moe"))] = result["parameters"]
+    table["tokens"] = {name: r["tokens"] for name, r in results.items()}
+    table["train_seconds"] = {name: r["train_seconds"] for name, r in results.items()}
+    return table
+
+
+def table_markdown(table: dict) -> str:
+    lines = [f"# Quality at equal compute ({len(table['seeds'])} seeds: {table['seeds']})", "",
+             "bits per byte on the held-out evaluations, mean ± standard deviation over seeds; relative = "
+             "islands / standard − 1 per seed (negative: islands better).", "",
+             "| evaluation | standard | islands | relative (mean ± sd) | relative of means |", "|---|---|---|---|---|"]
+    for name, row in table["main"].items():
+        lines.append(f"| {name} | {row['standard'][0]:.4f} ± {row['standard'][1]:.4f} | "
+                     f"{row['islands'][0]:.4f} ± {row['islands'][1]:.4f} | "
+                     f"{100 * row['relative'][0]:+.2f}% ± {100 * row['relative'][1]:.2f} | "
+                     f"{100 * row['relative_of_means']:+.2f}% |")
+    lines += ["", "## Ablations (seed 0; each changes one thing of the main islands arm)", "",
+              "| arm | what changes | vs | " + " | ".join(f"{k} bpb (rel.)" for k in table["main"]) +
+              " | max weight distance |", "|---|---|---|" + "---|" * len(table["main"]) + "---|"]
+    for row in table["ablations"]:
+        cells = " | ".join(f"{row['bpb'][k]:.4f} ({100 * row['relative'][k]:+.2f}%)" for k in table["main"])
+        distance = "-" if row["max_weight_distance"] is None else f"{row['max_weight_distance']:.4f}"
+        lines.append(f"| {row['arm']} | {row['note']} | {row['baseline']} | {cells} | {distance} |")
+    lines += ["", "## Parameters (equal compute counts active parameters)", ""]
+    for moe, counts in table["parameters"].items():
+        lines.append(f"- moe {moe}: active {counts['active']:,}, total {counts['total']:,}")
+    lines += ["", "Training tokens per arm: " + ", ".join(f"{k} {v:,}" for k, v in table["tokens"].items()),
+              "", "Reproduce: `/work/main/.venv/bin/python -m bench.quality` (resumes; `--table` rebuilds this file)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_table(log: Log | None = None) -> None:
+    table = build_table(load_results())
+    (RESULTS / "table.json").write_text(json.dumps(table, indent=2))
+    (RESULTS / "table.md").write_text(table_markdown(table))
+    tuning = load_results("tuning")
+    if tuning:
+        (RESULTS / "tuning.md").write_text(tuning_markdown(tuning))
+    if log:
+        log(f"table written: {RESULTS / 'table.md'}")
+
+
+def tuning_markdown(results: dict[str, dict]) -> str:
+    lines = ["# Outer-optimizer tuning on the validation split (seed 0, shorter runs)", "",
+             "| arm | outer | " + " | ".join(f"validation {k}" for k in next(iter(results.values()))["validation_bpb"])
+             + " |", "|---|---|" + "---|" * len(next(iter(results.values()))["validation_bpb"])]
+    for name, r in sorted(results.items(), key=lambda item: sum(item[1]["validation_bpb"].values())):
+        outer = "standard training" if r["kind"] == "standard" else json.dumps(r["sync"]["outer"])
+        lines.append(f"| {name} | {outer} | " + " | ".join(f"{v:.4f}" for v in r["validation_bpb"].values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arms", nargs="*", help="run only these arms (default: all, main comparison first)")
+    parser.add_argument("--table", action="store_true", help="only rebuild the table from finished arms")
+    parser.add_argument("--tune", action="store_true", help="run the tuning arms instead (validation split only)")
+    parser.add_argument("--tune-rounds", type=int, default=8)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    log = Log(RESULTS / "progress.log")
+    if args.table:
+        write_table(log)
+        return 0
+    arms = tuning_arms(args.tune_rounds) if args.tune else ARMS
+    if args.arms:
+        known = {a.name: a for a in arms}
+        unknown = [a for a in args.arms if a not in known]
+        if unknown:
+            parser.error(f"unknown arms {unknown}; known: {sorted(known)}")
+        arms = [known[a] for a in args.arms]
+    run_arms(arms, log)
+    write_table(log)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
