@@ -203,6 +203,17 @@ def link_bytes(before: dict, after: dict, plan: LinkPlan) -> dict:
 
 # -- root-side: build, run the driver, tear down -------------------------------------------------
 
+def run_concurrently(plan: LinkPlan, calls: list[tuple]) -> tuple[float, dict]:
+    """Run each (function, *args) on its own thread; wall seconds and the link bytes they moved."""
+    before, began = plan.counters(), time.monotonic()
+    workers = [threading.Thread(target=call[0], args=call[1:]) for call in calls]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return time.monotonic() - began, link_bytes(before, plan.counters(), plan)
+
+
 def interrupt(signum, frame) -> None:
     """SIGTERM unwinds like Ctrl-C, so every `finally` (server, namespaces) runs."""
     raise KeyboardInterrupt(f"signal {signum}")
@@ -469,14 +480,7 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
             errors.append(err)
         walls[slot.index] = time.monotonic() - began
 
-    before, began = plan.counters(), time.monotonic()
-    workers = [threading.Thread(target=learner, args=(slot,)) for slot in spec.learners]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    wall = time.monotonic() - began
-    measured = link_bytes(before, plan.counters(), plan)
+    wall, measured = run_concurrently(plan, [(learner, slot) for slot in spec.learners])
     if errors:
         raise errors[0]
     consensus = consolidate(spec, store)
@@ -561,14 +565,7 @@ def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
         if proc.wait():
             failures.append(f"rank {index} ({end.island}) exited with {proc.returncode}")
 
-    before, began = plan.counters(), time.monotonic()
-    workers = [threading.Thread(target=rank, args=(k, e)) for k, e in enumerate(plan.ends)]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    wall = time.monotonic() - began
-    measured = link_bytes(before, plan.counters(), plan)
+    wall, measured = run_concurrently(plan, [(rank, k, e) for k, e in enumerate(plan.ends)])
     if failures:
         raise RuntimeError("; ".join(failures))
     first = summaries[0]

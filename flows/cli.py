@@ -50,11 +50,17 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def load_spec_or_say_why(path: str) -> RunSpec | None:
     try:
-        spec = load_spec(args.config)
+        return load_spec(path)
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
         return 2
     try:
         check_windows_ahead(spec, datetime.now(timezone.utc))
@@ -83,10 +89,8 @@ def resume(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """A local Prefect server, a process work pool and worker per island, and the deployments."""
-    try:
-        spec = load_spec(args.config)
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
         return 2
     from flows.serve import serve as serve_spec
 
