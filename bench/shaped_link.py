@@ -4,7 +4,7 @@ Run as root, from the repository root:
 
     /work/main/.venv/bin/python -m bench.shaped_link \\
         [--standard configs/shaped-allreduce.yaml] [--allreduce configs/shaped-allreduce.yaml] \\
-        [--butterfly configs/shaped-butterfly.yaml] [--rounds N] [--rate-mbit R] [--dp-max-steps N]
+        [--butterfly configs/shaped-butterfly-streaming.yaml] [--rounds N] [--rate-mbit R] [--dp-max-steps N]
 
 Arms, all on one link and one data preparation recipe, in this order:
   standard   per-step all-reduce data parallelism: one gloo process per island, each training on its
@@ -300,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--standard", default="configs/shaped-allreduce.yaml",
                         help="config of the per-step all-reduce arm (its islands, model, data)")
     parser.add_argument("--allreduce", default="configs/shaped-allreduce.yaml", help="config of the DiLoCo arm")
-    parser.add_argument("--butterfly", default="configs/shaped-butterfly.yaml", help="config of the butterfly arm")
+    parser.add_argument("--butterfly", default="configs/shaped-butterfly-streaming.yaml",
+                        help="config of the butterfly arm (default: fragments, overlap, int4 with error feedback)")
     parser.add_argument("--arms", default="standard,allreduce,butterfly", help="which arms to run, in order")
     parser.add_argument("--rounds", type=int, default=None, help="override every arm's sync.rounds")
     parser.add_argument("--rate-mbit", type=float, default=None, help="link rate; default matched to the brief")
