@@ -300,7 +300,7 @@ def table_markdown(table: dict) -> str:
     for moe, counts in table["parameters"].items():
         lines.append(f"- moe {moe}: active {counts['active']:,}, total {counts['total']:,}")
     lines += ["", "Training tokens per arm: " + ", ".join(f"{k} {v:,}" for k, v in table["tokens"].items()),
-              "", "Reproduce: `/work/main/.venv/bin/python -m bench.quality` (resumes; `--table` rebuilds this file)."]
+              "", "Reproduce: `.venv/bin/python -m bench.quality` (resumes; `--table` rebuilds this file)."]
     return "\n".join(lines) + "\n"
 
 

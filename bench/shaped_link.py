@@ -2,7 +2,7 @@
 
 Run as root, from the repository root:
 
-    /work/main/.venv/bin/python -m bench.shaped_link \\
+    .venv/bin/python -m bench.shaped_link \\
         [--standard configs/shaped-allreduce.yaml] [--allreduce configs/shaped-allreduce.yaml] \\
         [--butterfly configs/shaped-butterfly-streaming.yaml] [--rounds N] [--rate-mbit R] [--dp-max-steps N]
 
