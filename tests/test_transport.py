@@ -108,11 +108,17 @@ def test_a_different_committed_message_is_not_overwritten(tmp_path):
 
 def test_inter_island_jobs_go_before_queued_intra_island_ones(tmp_path):
     transport = Transport(ObjectStore(str(tmp_path)))
-    gate, order = threading.Event(), []
-    first = transport.submit("intra", gate.wait)  # holds the transport thread while the queue fills
+    started, gate, order = threading.Event(), threading.Event(), []
+
+    def hold_the_thread():
+        started.set()
+        gate.wait()
+
+    first = transport.submit("intra", hold_the_thread)
+    assert started.wait(timeout=30)  # the thread is busy before the queue fills, so it holds all four
     jobs = [transport.submit(link, order.append, name)
             for link, name in [("intra", "intra-1"), ("inter", "inter-1"), ("intra", "intra-2"), ("inter", "inter-2")]]
-    assert transport.pending() >= 4
+    assert transport.pending() == 4
     gate.set()
     for job in [first, *jobs]:
         job.result(timeout=30)
