@@ -22,12 +22,21 @@ def test_each_token_is_the_router_weighted_sum_of_exactly_its_top_k_experts(top_
     probs = layer.router(tokens).softmax(dim=-1)
     for row in range(len(tokens)):
         chosen = probs[row].argsort(descending=True)[:top_k]
-        weights = probs[row, chosen] / probs[row, chosen].sum()
+        weights = probs[row, chosen] / (probs[row, chosen].sum() if top_k > 1 else 1)
         expected = sum(w * layer.experts[int(e)](tokens[row]) for w, e in zip(weights, chosen))
         torch.testing.assert_close(out[row], expected, rtol=1e-5, atol=1e-6)
         # Experts outside the top k do not contribute: with one of them instead the output differs.
         other = next(e for e in range(EXPERTS) if e not in chosen.tolist())
         assert not torch.allclose(out[row], layer.experts[other](tokens[row]), atol=1e-6)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_the_router_learns_from_the_language_model_loss(top_k):
+    layer = moe(top_k)
+    layer(torch.randn(3, 5, WIDTH)).square().sum().backward()  # the task loss only, no balance term
+    router, expert = layer.router.weight.grad.abs().sum(), layer.experts[0].up.weight.grad.abs().sum()
+    # A gate renormalised to exactly 1 leaves only rounding noise (about 1e-7 of the experts' gradient).
+    assert router > 0.01 * expert
 
 
 def test_balance_loss_is_lowest_for_balanced_routing():

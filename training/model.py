@@ -62,7 +62,11 @@ class MLP(nn.Module):
 
 
 class MoE(nn.Module):
-    """Top-k routed experts. `aux_loss` holds the load-balancing term of the last forward."""
+    """Top-k routed experts. `aux_loss` holds the load-balancing term of the last forward.
+
+    A token's output is the gate-weighted sum of its top-k experts: the router probabilities of
+    the chosen experts, renormalised to sum to 1 when k > 1, the raw probability when k = 1.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -76,7 +80,10 @@ class MoE(nn.Module):
         tokens = x.reshape(-1, shape[-1])
         probs = self.router(tokens).softmax(dim=-1)
         weights, chosen = probs.topk(self.top_k, dim=-1)
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.top_k > 1:
+            # Top-1 keeps the raw probability as its gate (Switch Transformer): renormalised it would be
+            # exactly 1, and the router would get no gradient from the language-model loss.
+            weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(tokens)
         for e, expert in enumerate(self.experts):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
