@@ -103,20 +103,23 @@ def merge(into: dict, changes: dict) -> None:
 
 
 MOE = {"model": {"moe": {"experts": 4, "top_k": 1, "balance_loss_weight": 0.01}}}
+# The main comparison, over every seed, for the dense model and for the sparse MoE (the brief's model).
+FAMILIES = {"dense": ("", {}), "moe": ("-moe", MOE)}
 ARMS = [
-    *(arm for seed in SEEDS for arm in (Arm(f"standard-s{seed}", "standard", seed, "main"),
-                                        Arm(f"islands-s{seed}", "islands", seed, "main",
-                                            compare_to=f"standard-s{seed}"))),
+    *(arm for suffix, changes in FAMILIES.values() for seed in SEEDS
+      for arm in (Arm(f"standard{suffix}-s{seed}", "standard", seed, "main", changes,
+                      compare_to=f"standard-s{seed}" if suffix else None),
+                  Arm(f"islands{suffix}-s{seed}", "islands", seed, "main", changes,
+                      compare_to=f"standard{suffix}-s{seed}"))),
     # Ablations, seed 0, each changing one thing of islands-s0.
     Arm("islands-nesterov-s0", "islands", 0, "ablation",
         {"sync": {"outer": {**SHAMPOO, "name": "nesterov"}}}, compare_to="standard-s0"),
     Arm("islands-diloco-s0", "islands", 0, "ablation",
         {"sync": {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}, compare_to="standard-s0"),
     Arm("islands-allreduce-s0", "islands", 0, "ablation", {"sync": {"mode": "allreduce"}}, compare_to="standard-s0"),
-    Arm("standard-moe-s0", "standard", 0, "ablation", MOE, compare_to="standard-s0"),
-    Arm("islands-moe-s0", "islands", 0, "ablation", MOE, compare_to="standard-moe-s0"),
 ]
 ABLATION_NOTES = {
+    "islands-s0": "main islands arm, seed 0",
     "islands-nesterov-s0": "Nesterov outer with the Shampoo arm's lr and momentum (no preconditioning)",
     "islands-diloco-s0": "DiLoCo's outer Nesterov, lr 0.7, momentum 0.9",
     "islands-allreduce-s0": "all-reduce of pseudo-gradients instead of butterfly pairs",
@@ -255,24 +258,27 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 
 def build_table(results: dict[str, dict]) -> dict:
-    main = [(results.get(f"standard-s{s}"), results.get(f"islands-s{s}")) for s in SEEDS]
-    pairs = [(std, isl) for std, isl in main if std and isl]
-    table = {"seeds": [std["seed"] for std, _ in pairs], "main": {}, "ablations": [], "parameters": {}}
-    if pairs:
+    table = {"seeds": {}, "main": {}, "ablations": [], "parameters": {}}
+    for family, (suffix, _) in FAMILIES.items():
+        pairs = [(results[f"standard{suffix}-s{s}"], results[f"islands{suffix}-s{s}"]) for s in SEEDS
+                 if f"standard{suffix}-s{s}" in results and f"islands{suffix}-s{s}" in results]
+        if not pairs:
+            continue
+        table["seeds"][family] = [std["seed"] for std, _ in pairs]
+        table["main"][family] = {}
         for name in pairs[0][0]["bpb"]:
             std = [p[0]["bpb"][name] for p in pairs]
             isl = [p[1]["bpb"][name] for p in pairs]
             rel = [i / s - 1 for s, i in zip(std, isl)]
-            table["main"][name] = {"standard": spread(std), "islands": spread(isl), "relative": spread(rel),
-                                   "relative_of_means": spread(isl)[0] / spread(std)[0] - 1}
+            table["main"][family][name] = {"standard": spread(std), "islands": spread(isl), "relative": spread(rel),
+                                           "relative_of_means": spread(isl)[0] / spread(std)[0] - 1}
     for name, result in results.items():
-        if result["group"] == "ablation" or name == "islands-s0":
-            base = results.get(result.get("compare_to") or "")
-            if base:
-                table["ablations"].append({"arm": name, "note": ABLATION_NOTES.get(name, "main islands arm, seed 0"),
-                                           "bpb": result["bpb"], "baseline": base["arm"],
-                                           "relative": {k: v / base["bpb"][k] - 1 for k, v in result["bpb"].items()},
-                                           "max_weight_distance": result.get("consensus", {}).get("max_weight_distance")})
+        base = results.get(result.get("compare_to") or "")
+        if name in ABLATION_NOTES and base:
+            table["ablations"].append({"arm": name, "note": ABLATION_NOTES[name], "bpb": result["bpb"],
+                                       "baseline": base["arm"],
+                                       "relative": {k: v / base["bpb"][k] - 1 for k, v in result["bpb"].items()},
+                                       "max_weight_distance": result.get("consensus", {}).get("max_weight_distance")})
         table["parameters"][json.dumps(result["model"].get("moe"))] = result["parameters"]
     table["tokens"] = {name: r["tokens"] for name, r in results.items()}
     table["train_seconds"] = {name: r["train_seconds"] for name, r in results.items()}
@@ -280,20 +286,24 @@ def build_table(results: dict[str, dict]) -> dict:
 
 
 def table_markdown(table: dict) -> str:
-    lines = [f"# Quality at equal compute ({len(table['seeds'])} seeds: {table['seeds']})", "",
+    evaluations = list(next(iter(table["main"].values()), {}))
+    lines = ["# Quality at equal compute", "",
              "bits per byte on the held-out evaluations, mean ± standard deviation over seeds; relative = "
-             "islands / standard − 1 per seed (negative: islands better).", "",
-             "| evaluation | standard | islands | relative (mean ± sd) | relative of means |", "|---|---|---|---|---|"]
-    for name, row in table["main"].items():
-        lines.append(f"| {name} | {row['standard'][0]:.4f} ± {row['standard'][1]:.4f} | "
-                     f"{row['islands'][0]:.4f} ± {row['islands'][1]:.4f} | "
-                     f"{100 * row['relative'][0]:+.2f}% ± {100 * row['relative'][1]:.2f} | "
-                     f"{100 * row['relative_of_means']:+.2f}% |")
-    lines += ["", "## Ablations (seed 0; each changes one thing of the main islands arm)", "",
-              "| arm | what changes | vs | " + " | ".join(f"{k} bpb (rel.)" for k in table["main"]) +
-              " | max weight distance |", "|---|---|---|" + "---|" * len(table["main"]) + "---|"]
+             "islands / standard − 1 per seed (negative: islands better)."]
+    for family, rows in table["main"].items():
+        lines += ["", f"## {family} model ({len(table['seeds'][family])} seeds: {table['seeds'][family]})", "",
+                  "| evaluation | standard | islands | relative (mean ± sd) | relative of means |",
+                  "|---|---|---|---|---|"]
+        for name, row in rows.items():
+            lines.append(f"| {name} | {row['standard'][0]:.4f} ± {row['standard'][1]:.4f} | "
+                         f"{row['islands'][0]:.4f} ± {row['islands'][1]:.4f} | "
+                         f"{100 * row['relative'][0]:+.2f}% ± {100 * row['relative'][1]:.2f} | "
+                         f"{100 * row['relative_of_means']:+.2f}% |")
+    lines += ["", "## Ablations (seed 0; each changes one thing and is measured against the arm in 'vs')", "",
+              "| arm | what changes | vs | " + " | ".join(f"{k} bpb (rel.)" for k in evaluations) +
+              " | max weight distance |", "|---|---|---|" + "---|" * len(evaluations) + "---|"]
     for row in table["ablations"]:
-        cells = " | ".join(f"{row['bpb'][k]:.4f} ({100 * row['relative'][k]:+.2f}%)" for k in table["main"])
+        cells = " | ".join(f"{row['bpb'][k]:.4f} ({100 * row['relative'][k]:+.2f}%)" for k in evaluations)
         distance = "-" if row["max_weight_distance"] is None else f"{row['max_weight_distance']:.4f}"
         lines.append(f"| {row['arm']} | {row['note']} | {row['baseline']} | {cells} | {distance} |")
     lines += ["", "## Parameters (equal compute counts active parameters)", ""]
