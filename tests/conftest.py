@@ -6,7 +6,11 @@ import os
 
 import pytest
 
+from infra import layout
 from infra.seaweed import seaweed_server
+from infra.spec import parse_spec
+from infra.store import ObjectStore
+from training.data import prepare_dataset
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -32,3 +36,31 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def two_learner_run(tmp_path):
+    """Prepares a run of two one-learner islands in a local store, from small text files.
+
+    Call it with the model and sync settings a test needs; it returns the spec and the run's store.
+    """
+    for i in range(6):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+
+    def prepare(name: str, layers: int, inner_steps: int, **sync):
+        spec = parse_spec({
+            "name": name,
+            "islands": [{"name": island, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": inner_steps}
+                        for island in ("a", "b")],
+            "model": {"layers": layers, "width": 16, "heads": 2},
+            "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+                                  "eval_fraction": 0.2}]},
+            "sync": {"mode": "butterfly", "warmup_steps": 1, **sync},
+            "store": {"url": str(tmp_path / "store")},
+        })
+        store = ObjectStore(spec.store.url).child("runs/r")
+        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+        prepare_dataset(spec, store)
+        return spec, store
+
+    return prepare

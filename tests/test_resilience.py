@@ -11,26 +11,9 @@ from training.learner import Learner, flat_parameters
 
 
 @pytest.fixture
-def run(tmp_path, monkeypatch):
-    """A two-learner run prepared in a local store, from small text files."""
-    for i in range(6):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
-
+def run(two_learner_run):
     def make(**sync):
-        spec = parse_spec({
-            "name": "resilience",
-            "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2},
-                        {"name": "b", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
-            "model": {"layers": 1, "width": 16, "heads": 2},
-            "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
-                                  "eval_fraction": 0.2}]},
-            "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 1, "partner_timeout_s": 0.3, **sync},
-            "store": {"url": str(tmp_path / "store")},
-        })
-        store = ObjectStore(spec.store.url).child("runs/r")
-        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-        prepare_dataset(spec, store)
-        return spec, store
+        return two_learner_run("resilience", layers=1, inner_steps=2, **{"rounds": 4, "partner_timeout_s": 0.3, **sync})
 
     return make
 

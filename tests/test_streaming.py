@@ -11,34 +11,15 @@ import pytest
 import torch
 
 from infra import layout
-from infra.spec import parse_spec
-from infra.store import ObjectStore
-from training.data import prepare_dataset
 from training.learner import Learner, flat_parameters
 
 
 @pytest.fixture
-def run(tmp_path):
-    for i in range(6):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
-
+def run(two_learner_run):
     def make(partner_timeout_s=30, outer=None, **transport):
-        spec = parse_spec({
-            "name": "streaming",
-            "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 3},
-                        {"name": "b", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 3}],
-            "model": {"layers": 2, "width": 16, "heads": 2},
-            "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
-                                  "eval_fraction": 0.2}]},
-            "sync": {"mode": "butterfly", "rounds": 6, "warmup_steps": 1, "partner_timeout_s": partner_timeout_s,
-                     **({"outer": outer} if outer else {}),
-                     "transport": {"fragments": 2, "tau": 1, "compression": "int8", **transport}},
-            "store": {"url": str(tmp_path / "store")},
-        })
-        store = ObjectStore(spec.store.url).child("runs/r")
-        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-        prepare_dataset(spec, store)
-        return spec, store
+        return two_learner_run("streaming", layers=2, inner_steps=3, rounds=6, partner_timeout_s=partner_timeout_s,
+                               **({"outer": outer} if outer else {}),
+                               transport={"fragments": 2, "tau": 1, "compression": "int8", **transport})
 
     return make
 
