@@ -29,8 +29,10 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     from flows.lifecycle import run_lifecycle
 
     print(f"run {run_id}: store {spec.store.url}", flush=True)
+    state = run_lifecycle(spec, run_id, return_state=True)
+    _print_stages(state.state_details.flow_run_id)
     try:
-        report = run_lifecycle(spec, run_id)
+        report = state.result()
     except Exception as err:  # noqa: BLE001 - the user needs the way back in, whatever failed
         print(f"\nrun {run_id} failed: {type(err).__name__}: {err}\n"
               f"completed stages are kept; continue with: archipelago resume {run_id} --store {spec.store.url}",
@@ -48,6 +50,21 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     if report["faults"]["injected"]:
         print(f"faults: {json.dumps(report['faults'])}")
     return 0
+
+
+STAGE_VERBS = {"Completed": "ran", "Cached": "reused from an earlier attempt", "Failed": "failed"}
+
+
+def _print_stages(flow_run_id) -> None:
+    """Which stages this attempt ran, which it took from an earlier attempt's results, which failed."""
+    from flows.lifecycle import stage_states
+
+    by_state: dict[str, list[str]] = {}
+    for name, state in stage_states(flow_run_id).items():
+        by_state.setdefault(state, []).append(name)
+    print(f"\nstages of flow run {flow_run_id}:")
+    for state, names in sorted(by_state.items()):
+        print(f"  {STAGE_VERBS.get(state, state.lower())}: {', '.join(sorted(names))}")
 
 
 def load_spec_or_say_why(path: str) -> RunSpec | None:

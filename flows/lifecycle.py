@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import time
 from typing import Literal
+from uuid import UUID
 
 from prefect import flow
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
 from infra.results import result_storage
 from infra.spec import RunSpec
@@ -46,7 +49,19 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     return report
 
 
-def run_lifecycle(spec: RunSpec, run_id: str, islands_via: Literal["tasks", "deployments"] = "tasks") -> dict:
-    """Run (or resume) the lifecycle with its stage results kept in the run's own store."""
-    return lifecycle.with_options(result_storage=result_storage(spec.store))(spec=spec, run_id=run_id,
-                                                                           islands_via=islands_via)
+def run_lifecycle(spec: RunSpec, run_id: str, islands_via: Literal["tasks", "deployments"] = "tasks",
+                  return_state: bool = False):
+    """Run (or resume) the lifecycle with its stage results kept in the run's own store.
+
+    Returns the report, or with `return_state` the flow run's final state (failed without raising)."""
+    return lifecycle.with_options(result_storage=result_storage(spec.store))(
+        spec=spec, run_id=run_id, islands_via=islands_via, return_state=return_state)
+
+
+def stage_states(flow_run_id: UUID) -> dict[str, str]:
+    """Each stage (task run) of one lifecycle flow run and its final state: "Completed" (it ran),
+    "Cached" (the result an earlier attempt persisted was reused), "Failed", ..."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name: run.state.name for run in runs if run.state}
+

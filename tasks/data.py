@@ -10,7 +10,7 @@ from infra.store import run_store
 from training.data import prepare_dataset
 
 
-@task(name="prepare-data", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="prepare-data", task_run_name="prepare-data", cache_policy=STAGE_CACHE, persist_result=True)
 def prepare_data(spec: RunSpec, run_id: str) -> dict:
     manifest = prepare_dataset(spec, run_store(spec.store, run_id))
     logger = get_run_logger()

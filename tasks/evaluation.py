@@ -20,7 +20,7 @@ from tasks.faults import fail_once_if_asked
 from training.learner import build_model
 
 
-@task(name="evaluate", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="evaluate", task_run_name="evaluate", cache_policy=STAGE_CACHE, persist_result=True)
 def evaluate_models(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "evaluate")
     results = evaluate(spec, run_store(spec.store, run_id))
@@ -31,7 +31,7 @@ def evaluate_models(spec: RunSpec, run_id: str) -> dict:
     return results
 
 
-@task(name="report", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="report", task_run_name="report", cache_policy=STAGE_CACHE, persist_result=True)
 def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, baseline: dict,
                    wall_seconds: float) -> dict:
     fail_once_if_asked(spec, run_id, "report")
@@ -51,7 +51,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
     return report
 
 
-@task(name="evaluate-curve", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="evaluate-curve", task_run_name="evaluate-curve", cache_policy=STAGE_CACHE, persist_result=True)
 def evaluate_curve_points(spec: RunSpec, run_id: str) -> list[dict]:
     """Both arms at a few matching token counts, for the bpb-versus-tokens plot."""
     points = evaluate_curve(spec, run_store(spec.store, run_id))
@@ -61,7 +61,7 @@ def evaluate_curve_points(spec: RunSpec, run_id: str) -> list[dict]:
     return points
 
 
-@task(name="figures", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="figures", task_run_name="figures", cache_policy=STAGE_CACHE, persist_result=True)
 def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list[dict]) -> dict:
     """PNG figures in the run's store, each shown as an image artifact with a link to the stored file.
 

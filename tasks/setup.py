@@ -17,7 +17,7 @@ def new_run_id(spec: RunSpec) -> str:
     return f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-@task(name="start-run", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="start-run", task_run_name="start-run", cache_policy=STAGE_CACHE, persist_result=True)
 def start_run(spec: RunSpec, run_id: str) -> str:
     ObjectStore.from_spec(spec.store).check_reachable()
     store = run_store(spec.store, run_id)

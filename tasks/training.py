@@ -63,7 +63,7 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
             "finished": run_store(spec.store, run_id).exists(layout.learner_summary(learner))}
 
 
-@task(name="consolidate", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="consolidate", task_run_name="consolidate", cache_policy=STAGE_CACHE, persist_result=True)
 def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "consolidate")
     consensus = consolidate(spec, run_store(spec.store, run_id))
@@ -72,7 +72,7 @@ def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
     return consensus
 
 
-@task(name="train-standard-baseline", cache_policy=STAGE_CACHE, persist_result=True)
+@task(name="train-standard-baseline", task_run_name="train-standard-baseline", cache_policy=STAGE_CACHE, persist_result=True)
 def train_standard(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "baseline")
     logger = get_run_logger()

@@ -1,9 +1,10 @@
 """Failures end to end: real SeaweedFS, real Prefect API, learners as real processes."""
 
 import asyncio
+import re
 
+import yaml
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.sorting import FlowRunSort
 
 from infra import layout
@@ -38,14 +39,6 @@ def test_run_survives_a_killed_learner_store_errors_and_a_corrupt_object(s3_env)
     assert all(store.is_committed(layout.checkpoint(i, 5)) for i in range(3))
 
 
-def _task_states(flow_run_id) -> dict[str, str]:
-    async def read():
-        async with get_client() as client:
-            runs = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-            return {r.name: r.state.name for r in runs}
-    return asyncio.run(read())
-
-
 def _latest_flow_run():
     async def read():
         async with get_client() as client:
@@ -53,26 +46,28 @@ def _latest_flow_run():
     return asyncio.run(read())
 
 
-def test_a_failed_evaluation_reruns_only_evaluation_and_report(s3_env, prefect_api):
-    from flows.lifecycle import run_lifecycle
-    from tasks.setup import new_run_id
+def test_a_failed_evaluation_reruns_only_evaluation_and_report(s3_env, prefect_api, tmp_path, capsys):
+    from flows.cli import main
+    from flows.lifecycle import stage_states
 
-    spec = tiny(faults=[{"kind": "fail_stage", "stage": "evaluate"}])
-    run_id = new_run_id(spec)
-    try:
-        run_lifecycle(spec, run_id)
-        raise AssertionError("the evaluation should have failed")
-    except RuntimeError as err:
-        assert "failed on purpose" in str(err)
+    config = tmp_path / "fail-evaluation.yaml"
+    config.write_text(yaml.safe_dump({**TINY, "faults": [{"kind": "fail_stage", "stage": "evaluate"}]}))
+    assert main(["run", str(config)]) == 1
+    out, err = capsys.readouterr()
+    run_id = re.search(r"^run (\S+): store", out, re.M).group(1)
+    assert "failed on purpose" in err and f"archipelago resume {run_id}" in err
+    assert re.search(r"^  failed: evaluate$", out, re.M)
     failed = _latest_flow_run()
     assert failed.state.is_failed()
 
-    report = run_lifecycle(spec, run_id)
+    assert main(["resume", run_id, "--store", TINY["store"]["url"]]) == 0
+    out, _ = capsys.readouterr()
     retried = _latest_flow_run()
-    assert retried.id != failed.id and report["run_id"] == run_id
-    states = _task_states(retried.id)
+    assert retried.id != failed.id and f"stages of flow run {retried.id}" in out
+    states = stage_states(retried.id)
     executed = {name for name, state in states.items() if state == "Completed"}
     cached = {name for name, state in states.items() if state == "Cached"}
-    assert {n.rsplit("-", 1)[0] for n in executed} == {"evaluate", "evaluate-curve", "report", "figures"}
-    assert {n.rsplit("-", 1)[0] for n in cached} >= {"start-run", "prepare-data", "consolidate", "train-standard-baseline"}
+    assert executed == {"evaluate", "evaluate-curve", "report", "figures"}
+    assert cached >= {"start-run", "prepare-data", "consolidate", "train-standard-baseline"}
     assert sum(n.startswith("train-") and "-learner-" in n for n in cached) == 3
+    assert re.search(r"^  ran: evaluate, evaluate-curve, figures, report$", out, re.M)
