@@ -315,23 +315,34 @@ def table_markdown(table: dict) -> str:
 
 
 def write_table(log: Log | None = None) -> None:
-    table = build_table(load_results())
+    results = load_results()
+    table = build_table(results)
     (RESULTS / "table.json").write_text(json.dumps(table, indent=2))
     (RESULTS / "table.md").write_text(table_markdown(table))
     tuning = load_results("tuning")
     if tuning:
-        (RESULTS / "tuning.md").write_text(tuning_markdown(tuning))
+        (RESULTS / "tuning.md").write_text(tuning_markdown(tuning, results))
     if log:
         log(f"table written: {RESULTS / 'table.md'}")
 
 
-def tuning_markdown(results: dict[str, dict]) -> str:
-    lines = ["# Outer-optimizer tuning on the validation split (seed 0, shorter runs)", "",
-             "| arm | outer | " + " | ".join(f"validation {k}" for k in next(iter(results.values()))["validation_bpb"])
-             + " |", "|---|---|" + "---|" * len(next(iter(results.values()))["validation_bpb"])]
-    for name, r in sorted(results.items(), key=lambda item: sum(item[1]["validation_bpb"].values())):
-        outer = "standard training" if r["kind"] == "standard" else json.dumps(r["sync"]["outer"])
-        lines.append(f"| {name} | {outer} | " + " | ".join(f"{v:.4f}" for v in r["validation_bpb"].values()) + " |")
+def tuning_markdown(results: dict[str, dict], main: dict[str, dict]) -> str:
+    """Tuning arms by length, best validation first; at full length the main seed-0 arms (whose
+    setting the shorter runs chose) stand beside them."""
+    by_rounds: dict[int, dict[str, dict]] = {}
+    for name, r in results.items():
+        by_rounds.setdefault(r["sync"]["rounds"], {})[name] = r
+    if ROUNDS in by_rounds:
+        by_rounds[ROUNDS].update({n: main[n] for n in ("standard-s0", "islands-s0") if n in main})
+    evaluations = list(next(iter(results.values()))["validation_bpb"])
+    lines = ["# Outer-optimizer tuning on the validation split (seed 0)"]
+    for rounds, group in sorted(by_rounds.items()):
+        lines += ["", f"## {rounds} rounds", "",
+                  "| arm | outer | " + " | ".join(f"validation {k}" for k in evaluations) + " |",
+                  "|---|---|" + "---|" * len(evaluations)]
+        for name, r in sorted(group.items(), key=lambda item: sum(item[1]["validation_bpb"].values())):
+            outer = "standard training" if r["kind"] == "standard" else json.dumps(r["sync"]["outer"])
+            lines.append(f"| {name} | {outer} | " + " | ".join(f"{v:.4f}" for v in r["validation_bpb"].values()) + " |")
     return "\n".join(lines) + "\n"
 
 
