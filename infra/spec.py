@@ -208,6 +208,10 @@ class TransportSpec(SpecModel):
                            "peers' decoded ones (its weights then get only their quantisation noise, and partners "
                            "differ by it) instead of the decoded messages on both sides (partners agree bitwise).")
     chunk_bytes: int = Field(64 << 20, ge=1024, description="Messages larger than this travel as multipart objects.")
+    checkpoint_in_background: bool = Field(
+        False, description="Write each round's checkpoint on the transport thread, after queued exchanges, while "
+                           "the next round computes. At most one is in flight, so a restarted learner falls back "
+                           "at most one round further. Off: a round ends when its checkpoint is committed.")
     bandwidth: BandwidthSpec = Field(default_factory=BandwidthSpec,
                                      description="Bandwidth budget per link class, per learner.")
 

@@ -2,7 +2,8 @@
 
 * A priority queue served by one background thread, so the learner keeps computing while
   messages travel. Inter-island transfers go first (the wide-area link is the bottleneck), then
-  intra-island ones; within a class, first come first served.
+  intra-island ones, then checkpoints written in the background; within a class, first come
+  first served.
 * Messages larger than `chunk_bytes` travel as multipart objects: parts named by their own
   checksum (a re-send after a crash never collides with a dead life's half-written parts), then
   the JSON commit listing them, written last. A message within one chunk keeps the plain
@@ -29,7 +30,7 @@ from safetensors.torch import save as save_safetensors
 from infra.store import ObjectExists, ObjectRef, ObjectStore, sha256
 
 LINK_CLASSES = ("inter", "intra")
-PRIORITY = {"inter": 0, "intra": 1}
+PRIORITY = {"inter": 0, "intra": 1, "checkpoint": 2}  # checkpoints written in the background go last
 
 
 @dataclass

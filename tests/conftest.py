@@ -47,7 +47,7 @@ def two_learner_run(tmp_path):
     for i in range(6):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
-    def prepare(name: str, layers: int, inner_steps: int, **sync):
+    def prepare(name: str, layers: int, inner_steps: int, run_id: str = "r", **sync):
         spec = parse_spec({
             "name": name,
             "islands": [{"name": island, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": inner_steps}
@@ -58,7 +58,7 @@ def two_learner_run(tmp_path):
             "sync": {"mode": "butterfly", "warmup_steps": 1, **sync},
             "store": {"url": str(tmp_path / "store")},
         })
-        store = ObjectStore(spec.store.url).child("runs/r")
+        store = ObjectStore(spec.store.url).child(f"runs/{run_id}")
         store.put_json(layout.SPEC, spec.model_dump(mode="json"))
         prepare_dataset(spec, store)
         return spec, store

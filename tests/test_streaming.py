@@ -16,8 +16,9 @@ from training.learner import Learner, flat_parameters
 
 @pytest.fixture
 def run(two_learner_run):
-    def make(partner_timeout_s=30, outer=None, **transport):
-        return two_learner_run("streaming", layers=2, inner_steps=3, rounds=6, partner_timeout_s=partner_timeout_s,
+    def make(partner_timeout_s=30, outer=None, run_id="r", **transport):
+        return two_learner_run("streaming", layers=2, inner_steps=3, run_id=run_id, rounds=6,
+                               partner_timeout_s=partner_timeout_s,
                                **({"outer": outer} if outer else {}),
                                transport={"fragments": 2, "tau": 1, "compression": "int8", **transport})
 
@@ -103,11 +104,7 @@ def test_a_learner_that_rejoins_from_a_peer_drops_its_exchange_and_residual(run)
 def test_learners_stay_together_with_each_setting(run, compression, own_exact):
     spec, store = run(compression=compression, tau=3, mix_own_exact=own_exact)
     learners = [Learner(spec, store, i) for i in range(2)]
-    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_both(learners)
     assert all(learner.traffic.missed_exchanges == [] for learner in learners)
     a, b = (flat_parameters(learner.model) for learner in learners)
     # The last round exchanges fragment 1 and waits for it; fragment 0 trained one round apart.
@@ -116,3 +113,30 @@ def test_learners_stay_together_with_each_setting(run, compression, own_exact):
     # state, they differ by the quantisation error.
     assert torch.equal(a[index], b[index]) != own_exact
     assert (a - b).norm() / a.norm() < 0.05
+
+
+def run_both(learners):
+    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def test_checkpoints_written_in_the_background_hold_the_state_at_the_end_of_their_round(run):
+    checkpoints = {}
+    for background in (False, True):
+        spec, store = run(run_id=f"background-{background}", checkpoint_in_background=background)
+        learners = [Learner(spec, store, i) for i in range(2)]
+        run_both(learners)
+        assert all(learner.traffic.missed_exchanges == [] for learner in learners)
+        assert all(store.exists(layout.learner_summary(i)) for i in range(2))
+        checkpoints[background] = {(i, t): store.read_committed(layout.checkpoint(i, t))[0]
+                                   for i in range(2) for t in range(spec.sync.rounds)}
+    # Training went on while each was written: a checkpoint sharing tensors with the live state
+    # would hold a later state than the one written in line.
+    for key, inline in checkpoints[False].items():
+        written = checkpoints[True][key]
+        assert written.keys() == inline.keys()
+        for name in inline:
+            torch.testing.assert_close(written[name], inline[name], rtol=1e-5, atol=0, msg=f"{key} {name}")

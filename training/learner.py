@@ -23,6 +23,10 @@ peers saw and is what the learner mixes with and charges its residual against), 
 partner's message again, and applies the mix at the same point, so the mix is applied exactly
 once. A learner that rejoins from a peer's checkpoint drops the peer's in-flight exchange and
 starts with an empty residual: both belong to the peer.
+
+With `sync.transport.checkpoint_in_background` the checkpoint is a copy of that state written by
+the transport thread, after the exchanges queued before it, while the next round computes; a
+learner finishes one before it starts the next and before it exits or pauses.
 """
 
 from __future__ import annotations
@@ -165,6 +169,7 @@ class Learner:
         self.transport = Transport(store, transport.chunk_bytes,
                                    {"inter": transport.bandwidth.inter_island, "intra": transport.bandwidth.intra_island})
         self.pending: Exchange | None = None
+        self._checkpoint_in_flight: Future | None = None
         self._sync_seconds = 0.0
         manifest = store.get_json(layout.DATA_MANIFEST)
         shard = read_stream(store, manifest["shards"][index])
@@ -505,11 +510,13 @@ class Learner:
             if self._window_cut_short(t):
                 self._window_closed(t + 1, "now (fault 'close_window')")
                 return False
+        self.finish_checkpoint()
         if self.rank == 0:
             self._write_summary()
         return True
 
     def _window_closed(self, next_round: int, until: str) -> None:
+        self.finish_checkpoint()
         if self.rank == 0:
             emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=next_round,
                  rounds=self.spec.sync.rounds, until=until)
@@ -569,8 +576,20 @@ class Learner:
 
     def _checkpoint(self, t: int) -> None:
         tensors, meta = self._state()
-        self.traffic.checkpoint += self.store.commit_tensors(
-            layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
+        key, meta = layout.checkpoint(self.slot.index, t), {**meta, "round": t}
+        if not self.spec.sync.transport.checkpoint_in_background:
+            self.traffic.checkpoint += self.store.commit_tensors(key, tensors, meta)
+            return
+        self.finish_checkpoint()  # at most one in flight
+        # Training goes on changing the state while the write runs: the checkpoint gets its own copy.
+        copies = {name: tensor.clone() for name, tensor in tensors.items()}
+        self._checkpoint_in_flight = self.transport.submit("checkpoint", self.store.commit_tensors, key, copies, meta)
+
+    def finish_checkpoint(self) -> None:
+        """Wait for a checkpoint still being written in the background; its errors surface here."""
+        if self._checkpoint_in_flight is not None:
+            written, self._checkpoint_in_flight = self._checkpoint_in_flight, None
+            self.traffic.checkpoint += written.result()
 
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
