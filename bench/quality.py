@@ -103,14 +103,19 @@ def merge(into: dict, changes: dict) -> None:
 
 
 MOE = {"model": {"moe": {"experts": 4, "top_k": 1, "balance_loss_weight": 0.01}}}
-# The main comparison, over every seed, for the dense model and for the sparse MoE (the brief's model).
-FAMILIES = {"dense": ("", {}), "moe": ("-moe", MOE)}
+# The main comparison, over every seed: family -> (standard arm suffix, islands arm suffix, changes).
+# The sparse MoE is the brief's model; its all-reduce arm was added after seed 0's validation bpb.
+FAMILIES = {
+    "dense model, butterfly": ("", "", {}),
+    "sparse MoE, butterfly": ("-moe", "-moe", MOE),
+    "sparse MoE, all-reduce": ("-moe", "-moe-allreduce", {**MOE, "sync": {"mode": "allreduce"}}),
+}
 ARMS = [
-    *(arm for suffix, changes in FAMILIES.values() for seed in SEEDS
-      for arm in (Arm(f"standard{suffix}-s{seed}", "standard", seed, "main", changes,
-                      compare_to=f"standard-s{seed}" if suffix else None),
-                  Arm(f"islands{suffix}-s{seed}", "islands", seed, "main", changes,
-                      compare_to=f"standard{suffix}-s{seed}"))),
+    *{arm.name: arm for std, isl, changes in FAMILIES.values() for seed in SEEDS
+      for arm in (Arm(f"standard{std}-s{seed}", "standard", seed, "main", {"model": changes.get("model", {})},
+                      compare_to=f"standard-s{seed}" if std else None),
+                  Arm(f"islands{isl}-s{seed}", "islands", seed, "main", changes,
+                      compare_to=f"standard{std}-s{seed}"))}.values(),
     # Ablations, seed 0, each changing one thing of islands-s0.
     Arm("islands-nesterov-s0", "islands", 0, "ablation",
         {"sync": {"outer": {**SHAMPOO, "name": "nesterov"}}}, compare_to="standard-s0"),
@@ -123,6 +128,7 @@ ABLATION_NOTES = {
     "islands-nesterov-s0": "Nesterov outer with the Shampoo arm's lr and momentum (no preconditioning)",
     "islands-diloco-s0": "DiLoCo's outer Nesterov, lr 0.7, momentum 0.9",
     "islands-allreduce-s0": "all-reduce of pseudo-gradients instead of butterfly pairs",
+    "islands-moe-allreduce-s0": "sparse MoE with all-reduce of pseudo-gradients instead of butterfly pairs",
     "standard-moe-s0": "standard training of the sparse MoE (4 experts, top-1) against the dense model: "
                        "equal active parameters",
     "islands-moe-s0": "sparse MoE feed-forward (4 experts, top-1), against standard training of the same MoE",
@@ -259,9 +265,9 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 def build_table(results: dict[str, dict]) -> dict:
     table = {"seeds": {}, "main": {}, "ablations": [], "parameters": {}}
-    for family, (suffix, _) in FAMILIES.items():
-        pairs = [(results[f"standard{suffix}-s{s}"], results[f"islands{suffix}-s{s}"]) for s in SEEDS
-                 if f"standard{suffix}-s{s}" in results and f"islands{suffix}-s{s}" in results]
+    for family, (std_suffix, isl_suffix, _) in FAMILIES.items():
+        pairs = [(results[f"standard{std_suffix}-s{s}"], results[f"islands{isl_suffix}-s{s}"]) for s in SEEDS
+                 if f"standard{std_suffix}-s{s}" in results and f"islands{isl_suffix}-s{s}" in results]
         if not pairs:
             continue
         table["seeds"][family] = [std["seed"] for std, _ in pairs]
@@ -291,7 +297,7 @@ def table_markdown(table: dict) -> str:
              "bits per byte on the held-out evaluations, mean ± standard deviation over seeds; relative = "
              "islands / standard − 1 per seed (negative: islands better)."]
     for family, rows in table["main"].items():
-        lines += ["", f"## {family} model ({len(table['seeds'][family])} seeds: {table['seeds'][family]})", "",
+        lines += ["", f"## {family} ({len(table['seeds'][family])} seeds: {table['seeds'][family]})", "",
                   "| evaluation | standard | islands | relative (mean ± sd) | relative of means |",
                   "|---|---|---|---|---|"]
         for name, row in rows.items():
