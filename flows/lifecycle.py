@@ -64,4 +64,3 @@ def stage_states(flow_run_id: UUID) -> dict[str, str]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     return {run.name: run.state.name for run in runs if run.state}
-

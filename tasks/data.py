@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
-from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
 from infra.store import run_store
+from tasks.stage import stage
 from training.data import prepare_dataset
 
 
-@task(name="prepare-data", task_run_name="prepare-data", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("prepare-data")
 def prepare_data(spec: RunSpec, run_id: str) -> dict:
     manifest = prepare_dataset(spec, run_store(spec.store, run_id))
     logger = get_run_logger()

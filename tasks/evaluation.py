@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import (create_image_artifact, create_link_artifact, create_markdown_artifact,
                                create_table_artifact)
 
@@ -13,14 +13,14 @@ from eval.curve import CURVE_EVAL_BYTES, evaluate_curve
 from eval.evaluate import evaluate
 from eval.report import build_report, evaluation_table, fault_report, settings_markdown
 from infra import layout
-from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
 from infra.store import run_store
 from tasks.faults import fail_once_if_asked
+from tasks.stage import stage
 from training.learner import build_model
 
 
-@task(name="evaluate", task_run_name="evaluate", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("evaluate")
 def evaluate_models(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "evaluate")
     results = evaluate(spec, run_store(spec.store, run_id))
@@ -31,7 +31,7 @@ def evaluate_models(spec: RunSpec, run_id: str) -> dict:
     return results
 
 
-@task(name="report", task_run_name="report", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("report")
 def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, baseline: dict,
                    wall_seconds: float) -> dict:
     fail_once_if_asked(spec, run_id, "report")
@@ -51,7 +51,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
     return report
 
 
-@task(name="evaluate-curve", task_run_name="evaluate-curve", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("evaluate-curve")
 def evaluate_curve_points(spec: RunSpec, run_id: str) -> list[dict]:
     """Both arms at a few matching token counts, for the bpb-versus-tokens plot."""
     points = evaluate_curve(spec, run_store(spec.store, run_id))
@@ -61,7 +61,7 @@ def evaluate_curve_points(spec: RunSpec, run_id: str) -> list[dict]:
     return points
 
 
-@task(name="figures", task_run_name="figures", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("figures")
 def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list[dict]) -> dict:
     """PNG figures in the run's store, each shown as an image artifact with a link to the stored file.
 

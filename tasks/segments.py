@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.deployments import run_deployment
 
 from infra import layout
-from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
 from infra.store import run_store
+from tasks.stage import stage
 
 SEGMENT_FLOW = "segment"
 
@@ -30,7 +30,7 @@ def segment_deployment(island: str) -> str:
     return f"{SEGMENT_FLOW}/{island_pool(island)}"
 
 
-@task(name="island-segments", task_run_name="segments-{island}", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("island-segments", task_run_name="segments-{island}")
 def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
     """Run the island's learners window by window until every one has trained all its rounds."""
     logger = get_run_logger()

@@ -5,19 +5,19 @@ from __future__ import annotations
 import secrets
 import time
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 
 from infra import layout
-from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
 from infra.store import ObjectStore, run_store
+from tasks.stage import stage
 
 
 def new_run_id(spec: RunSpec) -> str:
     return f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-@task(name="start-run", task_run_name="start-run", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("start-run")
 def start_run(spec: RunSpec, run_id: str) -> str:
     ObjectStore.from_spec(spec.store).check_reachable()
     store = run_store(spec.store, run_id)

@@ -6,15 +6,15 @@ import json
 import os
 from datetime import datetime
 
-from prefect import get_run_logger, task
+from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra import layout
 from infra.launch import LearnerProcess, run_learner
-from infra.results import STAGE_CACHE
 from infra.spec import RunSpec
 from infra.store import run_store
 from tasks.faults import fail_once_if_asked
+from tasks.stage import stage
 from training.baseline import train_baseline
 from training.consolidate import consolidate
 
@@ -25,8 +25,7 @@ def threads_per_process(spec: RunSpec) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
-@task(name="train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1,
-      cache_policy=STAGE_CACHE, persist_result=True)
+@stage("train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1)
 def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: datetime | None = None) -> dict:
     """One learner of an island's segment, as its own OS process (a torchrun group if it has several).
 
@@ -63,7 +62,7 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
             "finished": run_store(spec.store, run_id).exists(layout.learner_summary(learner))}
 
 
-@task(name="consolidate", task_run_name="consolidate", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("consolidate")
 def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "consolidate")
     consensus = consolidate(spec, run_store(spec.store, run_id))
@@ -72,7 +71,7 @@ def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
     return consensus
 
 
-@task(name="train-standard-baseline", task_run_name="train-standard-baseline", cache_policy=STAGE_CACHE, persist_result=True)
+@stage("train-standard-baseline")
 def train_standard(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "baseline")
     logger = get_run_logger()

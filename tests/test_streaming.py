@@ -31,6 +31,14 @@ def step_both(learners, rounds):
             learner.run_round(t)
 
 
+def run_both(learners):
+    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def test_each_round_sends_one_fragment_as_its_own_object_and_mixes_it(run):
     spec, store = run()
     learners = [Learner(spec, store, i) for i in range(2)]
@@ -113,14 +121,6 @@ def test_learners_stay_together_with_each_setting(run, compression, own_exact):
     # state, they differ by the quantisation error.
     assert torch.equal(a[index], b[index]) != own_exact
     assert (a - b).norm() / a.norm() < 0.05
-
-
-def run_both(learners):
-    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 def test_checkpoints_written_in_the_background_hold_the_state_at_the_end_of_their_round(run):
