@@ -20,6 +20,7 @@ validation split's bpb; the held-out evaluations are never used to choose settin
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import statistics
@@ -102,32 +103,56 @@ def merge(into: dict, changes: dict) -> None:
             into[key] = value
 
 
+def inner_steps(east: int, west: int) -> list[dict]:
+    """The base islands with other round lengths (H); rounds must change by the inverse factor."""
+    islands = base_spec(0)["islands"]
+    for island, steps in zip(islands, (east, west)):
+        island["inner_steps"] = steps
+    return islands
+
+
 MOE = {"model": {"moe": {"experts": 4, "top_k": 1, "balance_loss_weight": 0.01}}}
-# The main comparison, over every seed: family -> (standard arm suffix, islands arm suffix, changes).
-# The sparse MoE is the brief's model; its all-reduce arm was added after seed 0's validation bpb.
+# Arms run for every seed, named `<prefix>-s<seed>`: prefix -> (changes, the prefix it is measured against).
+MAIN_ARMS = {
+    "standard": ({}, None),
+    "islands": ({}, "standard"),
+    "standard-moe": (MOE, "standard"),
+    "islands-moe": (MOE, "standard-moe"),
+    "islands-moe-allreduce": ({**MOE, "sync": {"mode": "allreduce"}}, "standard-moe"),
+}
+# The main comparison: family -> (standard arm prefix, islands arm prefix). The sparse MoE is the
+# brief's model; its all-reduce arm was added after seed 0's validation bpb. The last family's arms
+# are the MoE tuning study's (`--tune moe`): the candidates that were best on the validation split.
 FAMILIES = {
-    "dense model, butterfly": ("", "", {}),
-    "sparse MoE, butterfly": ("-moe", "-moe", MOE),
-    "sparse MoE, all-reduce": ("-moe", "-moe-allreduce", {**MOE, "sync": {"mode": "allreduce"}}),
+    "dense model, butterfly": ("standard", "islands"),
+    "sparse MoE, butterfly": ("standard-moe", "islands-moe"),
+    "sparse MoE, all-reduce": ("standard-moe", "islands-moe-allreduce"),
+    "sparse MoE, all-reduce, rounds of 10 / 5 inner steps; standard training at its best learning rate (5e-3)":
+        ("tune-moe-standard-lr-5e-3", "tune-moe-allreduce-rounds-120"),
 }
 ARMS = [
-    *{arm.name: arm for std, isl, changes in FAMILIES.values() for seed in SEEDS
-      for arm in (Arm(f"standard{std}-s{seed}", "standard", seed, "main", {"model": changes.get("model", {})},
-                      compare_to=f"standard-s{seed}" if std else None),
-                  Arm(f"islands{isl}-s{seed}", "islands", seed, "main", changes,
-                      compare_to=f"standard{std}-s{seed}"))}.values(),
+    *(Arm(f"{prefix}-s{seed}", prefix.split("-")[0], seed, "main", changes,
+          compare_to=against and f"{against}-s{seed}")
+      for seed in SEEDS for prefix, (changes, against) in MAIN_ARMS.items()),
     # Ablations, seed 0, each changing one thing of islands-s0.
     Arm("islands-nesterov-s0", "islands", 0, "ablation",
         {"sync": {"outer": {**SHAMPOO, "name": "nesterov"}}}, compare_to="standard-s0"),
     Arm("islands-diloco-s0", "islands", 0, "ablation",
         {"sync": {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}, compare_to="standard-s0"),
     Arm("islands-allreduce-s0", "islands", 0, "ablation", {"sync": {"mode": "allreduce"}}, compare_to="standard-s0"),
+    # Whether the shorter rounds chosen for the MoE with all-reduce also help butterfly pairs.
+    Arm("islands-rounds-120-s0", "islands", 0, "ablation",
+        {"islands": inner_steps(10, 5), "sync": {"rounds": 120}}, compare_to="standard-s0"),
+    Arm("islands-moe-rounds-120-s0", "islands", 0, "ablation",
+        {**MOE, "islands": inner_steps(10, 5), "sync": {"rounds": 120}}, compare_to="standard-moe-s0"),
 ]
 ABLATION_NOTES = {
     "islands-s0": "main islands arm, seed 0",
     "islands-nesterov-s0": "Nesterov outer with the Shampoo arm's lr and momentum (no preconditioning)",
     "islands-diloco-s0": "DiLoCo's outer Nesterov, lr 0.7, momentum 0.9",
     "islands-allreduce-s0": "all-reduce of pseudo-gradients instead of butterfly pairs",
+    "islands-rounds-120-s0": "rounds of 10 / 5 inner steps instead of 20 / 10 (120 rounds, equal tokens)",
+    "islands-moe-rounds-120-s0": "sparse MoE, butterfly, rounds of 10 / 5 inner steps (120 rounds, equal tokens)",
     "islands-moe-allreduce-s0": "sparse MoE with all-reduce of pseudo-gradients instead of butterfly pairs",
     "standard-moe-s0": "standard training of the sparse MoE (4 experts, top-1) against the dense model: "
                        "equal active parameters",
@@ -150,6 +175,29 @@ def tuning_arms(rounds: int) -> list[Arm]:
     arms = [Arm(f"tune-{rounds}r-standard", "standard", 0, "tuning", {"sync": {"rounds": rounds}})]
     arms += [Arm(f"tune-{rounds}r-{name}", "islands", 0, "tuning", {"sync": {"rounds": rounds, "outer": outer}},
                  compare_to=f"tune-{rounds}r-standard") for name, outer in candidates.items()]
+    return arms
+
+
+def moe_tuning_arms(seeds: list[int]) -> list[Arm]:
+    """The sparse MoE with all-reduce at equal tokens, ranked on the validation split: the round
+    length (H, with the rounds changed by the inverse factor), and, so that standard training is
+    not held to a learning rate that suits only the islands, standard training's own learning rate."""
+    candidates = {
+        "rounds-30": {"islands": inner_steps(40, 20), "sync": {"rounds": 30}},
+        "rounds-120": {"islands": inner_steps(10, 5), "sync": {"rounds": 120}},
+        "rounds-200": {"islands": inner_steps(6, 3), "sync": {"rounds": 200}},
+    }
+    standard_learning_rates = {"lr-5e-3": 5e-3, "lr-8e-3": 8e-3}
+    arms = []
+    for seed in seeds:
+        arms += [Arm(f"tune-moe-standard-{name}-s{seed}", "standard", seed, "tuning",
+                     {**MOE, "sync": {"inner_lr": lr}}, compare_to=f"standard-moe-s{seed}")
+                 for name, lr in standard_learning_rates.items()]
+        for name, candidate in candidates.items():
+            changes = copy.deepcopy(MAIN_ARMS["islands-moe-allreduce"][0])
+            merge(changes, candidate)
+            arms.append(Arm(f"tune-moe-allreduce-{name}-s{seed}", "islands", seed, "tuning", changes,
+                            compare_to=f"standard-moe-s{seed}"))
     return arms
 
 
@@ -265,9 +313,9 @@ def spread(values: list[float]) -> tuple[float, float]:
 
 def build_table(results: dict[str, dict]) -> dict:
     table = {"seeds": {}, "main": {}, "ablations": [], "parameters": {}}
-    for family, (std_suffix, isl_suffix, _) in FAMILIES.items():
-        pairs = [(results[f"standard{std_suffix}-s{s}"], results[f"islands{isl_suffix}-s{s}"]) for s in SEEDS
-                 if f"standard{std_suffix}-s{s}" in results and f"islands{isl_suffix}-s{s}" in results]
+    for family, (standard, islands) in FAMILIES.items():
+        pairs = [(results[f"{standard}-s{s}"], results[f"{islands}-s{s}"]) for s in SEEDS
+                 if f"{standard}-s{s}" in results and f"{islands}-s{s}" in results]
         if not pairs:
             continue
         table["seeds"][family] = [std["seed"] for std, _ in pairs]
@@ -322,7 +370,7 @@ def table_markdown(table: dict) -> str:
 
 def write_table(log: Log | None = None) -> None:
     results = load_results()
-    table = build_table(results)
+    table = build_table({**load_results("tuning"), **results})
     (RESULTS / "table.json").write_text(json.dumps(table, indent=2))
     (RESULTS / "table.md").write_text(table_markdown(table))
     tuning = load_results("tuning")
@@ -333,38 +381,80 @@ def write_table(log: Log | None = None) -> None:
 
 
 def tuning_markdown(results: dict[str, dict], main: dict[str, dict]) -> str:
-    """Tuning arms by length, best validation first; at full length the main seed-0 arms (whose
-    setting the shorter runs chose) stand beside them."""
+    """The outer-optimizer tuning by length, best validation first (at full length the main seed-0
+    arms, whose setting the shorter runs chose, stand beside them); then the sparse MoE's candidates,
+    each against its standard arm on the validation split, per seed and on average."""
     by_rounds: dict[int, dict[str, dict]] = {}
     for name, r in results.items():
-        by_rounds.setdefault(r["sync"]["rounds"], {})[name] = r
+        if not name.startswith("tune-moe-"):
+            by_rounds.setdefault(r["sync"]["rounds"], {})[name] = r
     if ROUNDS in by_rounds:
         by_rounds[ROUNDS].update({n: main[n] for n in ("standard-s0", "islands-s0") if n in main})
     evaluations = list(next(iter(results.values()))["validation_bpb"])
-    lines = ["# Outer-optimizer tuning on the validation split (seed 0)"]
+    lines = ["# Tuning on the validation split", "", "## Outer optimizer (dense model, butterfly, seed 0)"]
     for rounds, group in sorted(by_rounds.items()):
-        lines += ["", f"## {rounds} rounds", "",
+        lines += ["", f"### {rounds} rounds", "",
                   "| arm | outer | " + " | ".join(f"validation {k}" for k in evaluations) + " |",
                   "|---|---|" + "---|" * len(evaluations)]
         for name, r in sorted(group.items(), key=lambda item: sum(item[1]["validation_bpb"].values())):
             outer = "standard training" if r["kind"] == "standard" else json.dumps(r["sync"]["outer"])
             lines.append(f"| {name} | {outer} | " + " | ".join(f"{v:.4f}" for v in r["validation_bpb"].values()) + " |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + moe_tuning_lines(results, main, evaluations)) + "\n"
+
+
+def moe_tuning_lines(results: dict[str, dict], main: dict[str, dict], evaluations: list[str]) -> list[str]:
+    everything = {**main, **results}
+    candidates: dict[str, dict[int, dict]] = {}
+    for seed in SEEDS:
+        if f"islands-moe-allreduce-s{seed}" in main:
+            candidates.setdefault("chosen before (outer lr 1.0, momentum 0.5, 60 rounds)", {})[seed] = \
+                main[f"islands-moe-allreduce-s{seed}"]
+    for name, r in results.items():
+        if name.startswith("tune-moe-allreduce-"):
+            candidates.setdefault(name.removeprefix("tune-moe-allreduce-").rsplit("-s", 1)[0], {})[r["seed"]] = r
+        elif name.startswith("tune-moe-standard-"):
+            candidates.setdefault(f"standard training, {name.removeprefix('tune-moe-standard-').rsplit('-s', 1)[0]}",
+                                  {})[r["seed"]] = r
+    if not candidates:
+        return []
+    lines = ["", "## Sparse MoE, all-reduce: candidates against their standard arm (equal tokens)", "",
+             "validation bpb relative to the standard arm (negative: better); the standard-training rows are "
+             "measured against standard training at the base inner learning rate.", "",
+             "| candidate | seeds | " + " | ".join(f"validation {k} (mean rel.)" for k in evaluations) + " | per seed |",
+             "|---|---|" + "---|" * len(evaluations) + "---|"]
+    rows = []
+    for candidate, by_seed in candidates.items():
+        relative = {k: [] for k in evaluations}
+        for seed, r in sorted(by_seed.items()):
+            base = everything.get(r["compare_to"])
+            for k in evaluations:
+                if base:
+                    relative[k].append(r["validation_bpb"][k] / base["validation_bpb"][k] - 1)
+        means = {k: statistics.mean(v) if v else float("nan") for k, v in relative.items()}
+        per_seed = "; ".join(f"s{seed}: " + ", ".join(f"{100 * relative[k][n]:+.2f}%" for k in evaluations)
+                             for n, seed in enumerate(sorted(by_seed)) if n < len(relative[evaluations[0]]))
+        rows.append((sum(means.values()), f"| {candidate} | {sorted(by_seed)} | "
+                     + " | ".join(f"{100 * means[k]:+.2f}%" for k in evaluations) + f" | {per_seed} |"))
+    return lines + [row for _, row in sorted(rows)]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--arms", nargs="*", help="run only these arms (default: all, main comparison first)")
     parser.add_argument("--table", action="store_true", help="only rebuild the table from finished arms")
-    parser.add_argument("--tune", action="store_true", help="run the tuning arms instead (validation split only)")
-    parser.add_argument("--tune-rounds", type=int, default=8)
+    parser.add_argument("--tune", choices=["outer", "moe"],
+                        help="run tuning arms instead (ranked on the validation split only): the dense model's "
+                             "outer optimizer, or the sparse MoE with all-reduce")
+    parser.add_argument("--tune-rounds", type=int, default=8, help="rounds of the outer-optimizer tuning arms")
+    parser.add_argument("--tune-seeds", type=int, nargs="+", default=[0], help="seeds of the MoE tuning arms")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     log = Log(RESULTS / "progress.log")
     if args.table:
         write_table(log)
         return 0
-    arms = tuning_arms(args.tune_rounds) if args.tune else ARMS
+    arms = {"outer": lambda: tuning_arms(args.tune_rounds), "moe": lambda: moe_tuning_arms(args.tune_seeds),
+            None: lambda: ARMS}[args.tune]()
     if args.arms:
         known = {a.name: a for a in arms}
         unknown = [a for a in args.arms if a not in known]
