@@ -120,6 +120,8 @@ MAIN_ARMS = {
     "islands-moe": (MOE, "standard-moe"),
     "islands-moe-allreduce": ({**MOE, "sync": {"mode": "allreduce"}}, "standard-moe"),
 }
+TUNED_FAMILY = ("sparse MoE, all-reduce, rounds of 10 / 5 inner steps; "
+                "standard training at its best learning rate (5e-3)")
 # The main comparison: family -> (standard arm prefix, islands arm prefix). The sparse MoE is the
 # brief's model; its all-reduce arm was added after seed 0's validation bpb. The last family's arms
 # are the MoE tuning study's (`--tune moe`): the candidates that were best on the validation split.
@@ -127,8 +129,7 @@ FAMILIES = {
     "dense model, butterfly": ("standard", "islands"),
     "sparse MoE, butterfly": ("standard-moe", "islands-moe"),
     "sparse MoE, all-reduce": ("standard-moe", "islands-moe-allreduce"),
-    "sparse MoE, all-reduce, rounds of 10 / 5 inner steps; standard training at its best learning rate (5e-3)":
-        ("tune-moe-standard-lr-5e-3", "tune-moe-allreduce-rounds-120"),
+    TUNED_FAMILY: ("tune-moe-standard-lr-5e-3", "tune-moe-allreduce-rounds-120"),
 }
 ARMS = [
     *(Arm(f"{prefix}-s{seed}", prefix.split("-")[0], seed, "main", changes,
@@ -199,6 +200,10 @@ def moe_tuning_arms(seeds: list[int]) -> list[Arm]:
             arms.append(Arm(f"tune-moe-allreduce-{name}-s{seed}", "islands", seed, "tuning", changes,
                             compare_to=f"standard-moe-s{seed}"))
     return arms
+
+
+# The tuned family's two arms run with the main comparison, on every seed (into tuning/).
+ARMS += [arm for arm in moe_tuning_arms(list(SEEDS)) if arm.name.rsplit("-s", 1)[0] in FAMILIES[TUNED_FAMILY]]
 
 
 # -- running an arm --------------------------------------------------------------------------------
