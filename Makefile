@@ -30,7 +30,7 @@ ui: setup
 bench: setup
 	$(BIN)/python bench/inner_loop.py
 
-# 1.5 to 2 hours on 2 idle cores; resumes arm by arm (bench/results/quality/).
+# About 3 hours on 2 idle cores; resumes arm by arm (bench/results/quality/).
 bench-quality: setup
 	$(BIN)/python -m bench.quality
 

@@ -11,10 +11,13 @@ stdout and to `progress.log`; the table is rewritten after every arm, as `table.
     .venv/bin/python -m bench.quality                 # everything, main comparison first
     .venv/bin/python -m bench.quality --arms islands-s0 standard-s0
     .venv/bin/python -m bench.quality --table         # only rebuild the table
-    .venv/bin/python -m bench.quality --tune          # outer-optimizer settings, scored on validation only
+    .venv/bin/python -m bench.quality --tune outer    # outer-optimizer settings, scored on validation only
+    .venv/bin/python -m bench.quality --tune moe --tune-seeds 0   # the MoE's round length, standard's lr
 
-Tuning (`--tune`) runs shorter islands arms with candidate outer settings and ranks them by the
-validation split's bpb; the held-out evaluations are never used to choose settings.
+Tuning ranks candidates by the validation split's bpb; the held-out evaluations are never used to
+choose settings. `--tune outer` runs shorter islands arms with candidate outer settings; `--tune moe`
+runs the sparse MoE with all-reduce at other round lengths, and standard training at other learning
+rates, at full length; the best of seed 0 then runs on seeds 1 and 2 (`--tune-seeds 1 2 --arms ...`).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ RESULTS = Path("bench/results/quality")
 SEEDS = (0, 1, 2)
 ROUNDS = 60
 
-# The outer optimizer of the main islands arm, chosen on the validation split (`--tune`, 8 rounds,
+# The outer optimizer of the main islands arm, chosen on the validation split (`--tune outer`, 8 rounds,
 # seed 0; results in tuning.md): best of lr {1.0, 1.3} x momentum {0, 0.5, 0.8}.
 SHAMPOO = {"name": "shampoo", "lr": 1.0, "momentum": 0.5, "shampoo": {"graft": "sgd"}}
 
