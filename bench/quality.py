@@ -377,11 +377,10 @@ def table_markdown(table: dict) -> str:
 
 
 def write_table(log: Log | None = None) -> None:
-    results = load_results()
-    table = build_table({**load_results("tuning"), **results})
+    results, tuning = load_results(), load_results("tuning")
+    table = build_table({**tuning, **results})
     (RESULTS / "table.json").write_text(json.dumps(table, indent=2))
     (RESULTS / "table.md").write_text(table_markdown(table))
-    tuning = load_results("tuning")
     if tuning:
         (RESULTS / "tuning.md").write_text(tuning_markdown(tuning, results))
     if log:
@@ -432,16 +431,15 @@ def moe_tuning_lines(results: dict[str, dict], main: dict[str, dict], evaluation
              "|---|---|" + "---|" * len(evaluations) + "---|"]
     rows = []
     for candidate, by_seed in candidates.items():
-        relative = {k: [] for k in evaluations}
-        for seed, r in sorted(by_seed.items()):
-            base = everything.get(r["compare_to"])
-            for k in evaluations:
-                if base:
-                    relative[k].append(r["validation_bpb"][k] / base["validation_bpb"][k] - 1)
-        means = {k: statistics.mean(v) if v else float("nan") for k, v in relative.items()}
-        per_seed = "; ".join(f"s{seed}: " + ", ".join(f"{100 * relative[k][n]:+.2f}%" for k in evaluations)
-                             for n, seed in enumerate(sorted(by_seed)) if n < len(relative[evaluations[0]]))
-        rows.append((sum(means.values()), f"| {candidate} | {sorted(by_seed)} | "
+        relative = {seed: {k: r["validation_bpb"][k] / everything[r["compare_to"]]["validation_bpb"][k] - 1
+                           for k in evaluations}
+                    for seed, r in sorted(by_seed.items()) if r["compare_to"] in everything}
+        if not relative:
+            continue
+        means = {k: statistics.mean(rel[k] for rel in relative.values()) for k in evaluations}
+        per_seed = "; ".join(f"s{seed}: " + ", ".join(f"{100 * rel[k]:+.2f}%" for k in evaluations)
+                             for seed, rel in relative.items())
+        rows.append((sum(means.values()), f"| {candidate} | {list(relative)} | "
                      + " | ".join(f"{100 * means[k]:+.2f}%" for k in evaluations) + f" | {per_seed} |"))
     return lines + [row for _, row in sorted(rows)]
 
