@@ -106,12 +106,16 @@ def merge(into: dict, changes: dict) -> None:
             into[key] = value
 
 
-def inner_steps(east: int, west: int) -> list[dict]:
-    """The base islands with other round lengths (H); rounds must change by the inverse factor."""
+def round_length(east_steps: int) -> dict:
+    """Changes giving the base run rounds of `east_steps` inner steps (west: half as many on twice the
+    batch), with the rounds derived so that every learner trains the base run's tokens."""
     islands = base_spec(0)["islands"]
-    for island, steps in zip(islands, (east, west)):
+    base_total = islands[0]["inner_steps"] * ROUNDS
+    if east_steps % 2 or base_total % east_steps:
+        raise ValueError(f"{east_steps} east inner steps: must be even and divide {base_total}")
+    for island, steps in zip(islands, (east_steps, east_steps // 2)):
         island["inner_steps"] = steps
-    return islands
+    return {"islands": islands, "sync": {"rounds": base_total // east_steps}}
 
 
 MOE = {"model": {"moe": {"experts": 4, "top_k": 1, "balance_loss_weight": 0.01}}}
@@ -146,9 +150,9 @@ ARMS = [
     Arm("islands-allreduce-s0", "islands", 0, "ablation", {"sync": {"mode": "allreduce"}}, compare_to="standard-s0"),
     # Whether shorter rounds (the MoE study's runner-up) also help butterfly pairs.
     Arm("islands-rounds-120-s0", "islands", 0, "ablation",
-        {"islands": inner_steps(10, 5), "sync": {"rounds": 120}}, compare_to="standard-s0"),
+        round_length(10), compare_to="standard-s0"),
     Arm("islands-moe-rounds-120-s0", "islands", 0, "ablation",
-        {**MOE, "islands": inner_steps(10, 5), "sync": {"rounds": 120}}, compare_to="standard-moe-s0"),
+        {**MOE, **round_length(10)}, compare_to="standard-moe-s0"),
 ]
 ABLATION_NOTES = {
     "islands-s0": "main islands arm, seed 0",
@@ -187,9 +191,9 @@ def moe_tuning_arms(seeds: list[int]) -> list[Arm]:
     length (H, with the rounds changed by the inverse factor), and, so that standard training is
     not held to a learning rate that suits only the islands, standard training's own learning rate."""
     candidates = {
-        "rounds-30": {"islands": inner_steps(40, 20), "sync": {"rounds": 30}},
-        "rounds-120": {"islands": inner_steps(10, 5), "sync": {"rounds": 120}},
-        "rounds-200": {"islands": inner_steps(6, 3), "sync": {"rounds": 200}},
+        "rounds-30": round_length(40),
+        "rounds-120": round_length(10),
+        "rounds-200": round_length(6),
     }
     standard_learning_rates = {"lr-5e-3": 5e-3, "lr-8e-3": 8e-3}
     arms = []

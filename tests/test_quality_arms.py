@@ -1,6 +1,7 @@
 """The quality benchmark's arm definitions: equal compute between every pair it compares (no training)."""
 
 from bench.quality import ARMS, FAMILIES, SEEDS, moe_tuning_arms
+from training.learner import build_model
 
 
 def planned_tokens(arm) -> list[int]:
@@ -8,9 +9,8 @@ def planned_tokens(arm) -> list[int]:
     return [slot.tokens_per_round() * spec.sync.rounds for slot in spec.learners]
 
 
-def active_parameters(arm) -> tuple:
-    spec = arm.spec()
-    return spec.model.layers, spec.model.width, spec.model.moe and spec.model.moe.top_k
+def active_parameters(arm) -> int:
+    return build_model(arm.spec()).parameter_counts()["active"]
 
 
 def test_every_arm_trains_each_shard_for_the_tokens_of_the_arm_it_is_measured_against():
@@ -24,8 +24,8 @@ def test_every_arm_trains_each_shard_for_the_tokens_of_the_arm_it_is_measured_ag
 
 
 def test_the_round_length_candidates_change_rounds_and_inner_steps_inversely():
-    shapes = {arm.name: (arm.spec().sync.rounds, [i.inner_steps for i in arm.spec().islands])
-              for arm in moe_tuning_arms([0]) if arm.kind == "islands"}
+    specs = {arm.name: arm.spec() for arm in moe_tuning_arms([0]) if arm.kind == "islands"}
+    shapes = {name: (spec.sync.rounds, [i.inner_steps for i in spec.islands]) for name, spec in specs.items()}
     assert shapes["tune-moe-allreduce-rounds-30-s0"] == (30, [40, 20])
     assert shapes["tune-moe-allreduce-rounds-120-s0"] == (120, [10, 5])
     assert shapes["tune-moe-allreduce-rounds-200-s0"] == (200, [6, 3])
