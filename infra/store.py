@@ -29,6 +29,9 @@ from infra.faults import FaultInjectingFileSystem, StoreFaults
 from infra.retry import RetryPolicy, call_with_retry
 
 _KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]*(/[A-Za-z0-9_][A-Za-z0-9_.=-]*)*$")
+# S3's bucket naming rules (3-63 lowercase letters, digits, dots and hyphens, alphanumeric ends).
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 class StoreError(RuntimeError):
@@ -57,6 +60,42 @@ def validate_key(key: str) -> str:
     return key
 
 
+def parse_store_url(url: str) -> str:
+    """The normalised store root: an absolute local folder path, or s3://bucket[/prefix].
+
+    Anything that would silently land somewhere unintended is refused: an unexpanded `~`
+    (it would become a folder named `~`), a mistyped scheme such as `s3:/bucket` (it would
+    become a local folder named `s3:`), other schemes, and empty or blank urls.
+    """
+    def refuse(why: str) -> StoreError:
+        return StoreError(f"store url {url!r}: {why}; use a local folder or s3://bucket[/prefix]")
+
+    if not isinstance(url, str) or not url.strip():
+        raise refuse("empty")
+    if url != url.strip() or any(ord(c) < 32 for c in url):
+        raise refuse("leading/trailing whitespace or control characters")
+    if url.startswith("s3://"):
+        bucket, _, prefix = url[len("s3://"):].rstrip("/").partition("/")
+        if not bucket:
+            raise refuse("no bucket")
+        if not _BUCKET.fullmatch(bucket):
+            raise refuse(f"bucket {bucket!r} is not a valid S3 bucket name")
+        if prefix and (not _KEY.fullmatch(prefix) or ".." in prefix.split("/")):
+            raise refuse(f"prefix {prefix!r} must be [A-Za-z0-9_.=-] segments separated by single '/'")
+        return f"s3://{bucket}" + (f"/{prefix}" if prefix else "")
+    if url.startswith("file://"):
+        path = url[len("file://"):]
+        if not path.startswith("/"):
+            raise refuse("a file:// url needs an absolute path (file:///path)")
+    elif _SCHEME.match(url):
+        raise refuse(f"unsupported scheme {url.split(':', 1)[0]!r}")
+    else:
+        path = url
+    if path.startswith("~"):
+        raise refuse("'~' is not expanded; give the folder's full path")
+    return str(Path(path).resolve())
+
+
 @dataclass(frozen=True)
 class ObjectRef:
     """Where an object lives and what its bytes must hash to; what JSON documents point with."""
@@ -78,15 +117,11 @@ class ObjectStore:
 
     def __init__(self, url: str, endpoint_url: str | None = None, retry: RetryPolicy = RetryPolicy(),
                  faults: StoreFaults | None = None, _shared: "_Shared | None" = None):
-        self.url = url.rstrip("/")
+        self.url = parse_store_url(url)
         self.endpoint_url = endpoint_url
         self.retry = retry
-        if self.url.startswith("s3://"):
-            self.root, self.is_local = self.url[len("s3://"):], False
-        elif "://" in self.url and not self.url.startswith("file://"):
-            raise StoreError(f"store url {url!r}: only local folders and s3:// are supported")
-        else:
-            self.root, self.is_local = str(Path(self.url.removeprefix("file://")).resolve()), True
+        self.is_local = not self.url.startswith("s3://")
+        self.root = self.url if self.is_local else self.url[len("s3://"):]
         if _shared is None:
             fs = fsspec.filesystem("s3", **_s3_options(endpoint_url)) if not self.is_local else fsspec.filesystem("file")
             _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs)
