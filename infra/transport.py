@@ -27,10 +27,28 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from infra.store import ObjectExists, ObjectRef, ObjectStore, sha256
+from infra.store import ObjectExists, ObjectRef, ObjectStore, StoreError, sha256
 
 LINK_CLASSES = ("inter", "intra")
 PRIORITY = {"inter": 0, "intra": 1, "checkpoint": 2}  # checkpoints written in the background go last
+
+
+class MalformedMessage(StoreError):
+    """A message's commit does not describe a message: foreign keys, too many bytes, bad payload."""
+
+
+def _message_refs(key: str, meta: dict, max_bytes: int) -> list[ObjectRef]:
+    try:
+        refs = ([ObjectRef.from_json(meta.pop("tensors"))] if "tensors" in meta
+                else [ObjectRef.from_json(r) for r in meta.pop("parts")])
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise MalformedMessage(f"message {key}: its commit lists no valid tensor objects ({err!r})") from None
+    meta.pop("nbytes", None)
+    if any(not ref.key.startswith(f"{key}.") for ref in refs):
+        raise MalformedMessage(f"message {key}: its commit points outside the message")
+    if sum(max(0, ref.nbytes) for ref in refs) > max_bytes:
+        raise MalformedMessage(f"message {key}: declares more than {max_bytes} bytes")
+    return refs
 
 
 @dataclass
@@ -156,18 +174,22 @@ class Transport:
         key = base if base.endswith(".safetensors") else f"{base}-{digest[:16]}.bin"
         return self._timed(link, lambda: self.store.put_bytes(key, data))
 
-    def get_message(self, key: str, link: str) -> tuple[dict[str, torch.Tensor], dict, int]:
-        """Read a committed tensor set (either layout), verified part by part; and bytes read."""
+    def get_message(self, key: str, link: str, max_bytes: int) -> tuple[dict[str, torch.Tensor], dict, int]:
+        """Read a committed tensor set (either layout), verified part by part; and bytes read.
+
+        The commit is a peer's word: it may only point at its own message's objects, and at no more
+        than `max_bytes` of them, or nothing is read (MalformedMessage)."""
         meta, meta_bytes = self._timed(link, lambda: self.store._get_json_sized(f"{key}.json"), size=lambda r: r[1])
-        refs = ([ObjectRef.from_json(meta.pop("tensors"))] if "tensors" in meta
-                else [ObjectRef.from_json(r) for r in meta.pop("parts")])
-        meta.pop("nbytes", None)
+        refs = _message_refs(key, meta, max_bytes)
         data = b"".join(self._timed(link, lambda ref=ref: self.store.get_bytes(ref.key, ref.sha256))
                         for ref in refs)
         nbytes = len(data) + meta_bytes
         self.counters[link].bytes_read += nbytes
         self.counters[link].messages_read += 1
-        return load_safetensors(data), meta, nbytes
+        try:
+            return load_safetensors(data), meta, nbytes
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
+            raise MalformedMessage(f"message {key}: not a safetensors payload ({err})") from None
 
     def _timed(self, link: str, transfer: Callable, size: Callable = len):
         """Run one chunk's transfer, then hold the caller until the budget says it has left the link."""

@@ -32,7 +32,7 @@ def test_a_corrupt_message_is_detected_and_never_mixed_in(run):
     sender = Learner(spec, store, 1)
     sender.store.corrupt_next_write()
     anchor = flat_parameters(sender.model)
-    sender._publish(0, anchor, torch.ones_like(anchor), 10, butterfly=True)
+    sender._publish(0, anchor, torch.ones_like(anchor), sender.slot.tokens_per_round())
     receiver = Learner(spec, store, 0)
     assert receiver._receive(1, 0) is None
     assert receiver.traffic.corrupt_reads == 1

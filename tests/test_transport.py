@@ -68,7 +68,7 @@ def test_a_large_message_travels_in_parts_and_reads_back_verified(tmp_path):
     assert payload > 16000 and len(parts) == -(-payload // 4096)
     assert all(len(store.get_bytes(k)) == 4096 for k in parts[:-1])
     assert written == sum(len(store.get_bytes(k)) for k in store.list("m"))
-    got, meta, nbytes = transport.get_message("m/message", "inter")
+    got, meta, nbytes = transport.get_message("m/message", "inter", 1 << 20)
     assert meta == {"round": 3} and nbytes == written
     assert all(torch.equal(got[k], v) for k, v in tensors().items())
     counters = transport.report()
@@ -94,8 +94,8 @@ def test_a_resend_after_a_crash_mid_send_does_not_collide_with_orphan_parts(tmp_
     store.put_bytes("s/message.safetensors", b"half-written")  # and one that died before its commit
     transport.put_message("m/message", other, {}, "inter")
     transport.put_message("s/message", {"delta": torch.ones(3)}, {}, "inter")
-    assert torch.equal(transport.get_message("m/message", "inter")[0]["delta"], other["delta"])
-    assert torch.equal(transport.get_message("s/message", "inter")[0]["delta"], torch.ones(3))
+    assert torch.equal(transport.get_message("m/message", "inter", 1 << 20)[0]["delta"], other["delta"])
+    assert torch.equal(transport.get_message("s/message", "inter", 1 << 20)[0]["delta"], torch.ones(3))
 
 
 def test_a_different_committed_message_is_not_overwritten(tmp_path):

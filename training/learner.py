@@ -52,10 +52,11 @@ from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
 from infra.spec import CloseWindow, CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
 from infra.store import IntegrityError, ObjectExists, ObjectStore
-from infra.transport import Transport
+from infra.transport import MalformedMessage, Transport
 from training.compression import Codec, ErrorFeedback, decode_field
 from training.data import WindowSampler, read_stream
 from training.fragments import FragmentLayout, exchange_count, fragment_of_round
+from training.messages import ExpectedMessage, MessageRejected, accept_message
 from training.mixing import butterfly_partner, mix_pair, weighted_mean
 from training.model import ByteGPT, GPTConfig
 from training.outer import OuterOptimizer
@@ -90,6 +91,10 @@ def learning_rate(step: int, total_steps: int, peak: float, warmup: int) -> floa
         return peak * (step + 1) / warmup
     progress = (step - warmup) / max(1, total_steps - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+class LearnerDiverged(RuntimeError):
+    """The learner's own training produced non-finite values; a message of them would poison every peer."""
 
 
 @dataclass
@@ -162,6 +167,8 @@ class Learner:
         # Where each fragment last synchronised; with one fragment and tau 0, the round's start weights.
         self.anchors = flat_parameters(self.model).cpu()
         self.codec = Codec(transport.compression, transport.scale_chunk, transport.topk)
+        # Butterfly partners average anchors too; all-reduce peers share pseudo-gradients only.
+        self._message_fields = ("anchor", "delta") if spec.sync.mode == "butterfly" else ("delta",)
         # Compressed anchors travel as their difference from the run's initial weights, which every
         # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
         self.initial = self.anchors.clone()
@@ -373,7 +380,7 @@ class Learner:
         """On the transport thread: send our message, then fetch each peer's (or note it missed)."""
         tokens = self.slot.tokens_per_round()
         sent_anchor, sent_delta, residual, bytes_sent = self._publish(
-            round_index, anchor, delta, tokens, self.spec.sync.mode == "butterfly")
+            round_index, anchor, delta, tokens)
         received, before = [], self.traffic.read_intra + self.traffic.read_inter
         for peer in peers:
             message = self._receive(peer, round_index)
@@ -419,16 +426,17 @@ class Learner:
         if self.spec.sync.mode == "butterfly":
             if not result.received:
                 return outer.step(anchor, delta)
-            partner, theirs, meta = result.received[0]
+            partner, theirs, _ = result.received[0]
             return outer.step(*mix_pair(anchor, delta, tokens, theirs["anchor"], theirs["delta"],
-                                        meta["tokens"], me, partner))
+                                        self._planned_tokens(partner), me, partner))
         # Every learner sums in learner order, so all that heard the same peers agree bitwise.
-        messages = sorted([(me, delta, tokens)] + [(p, m["delta"], meta["tokens"]) for p, m, meta in result.received],
+        messages = sorted([(me, delta, tokens)] + [(p, m["delta"], self._planned_tokens(p))
+                                                   for p, m, _ in result.received],
                           key=lambda item: item[0])
         return outer.step(anchor, weighted_mean([m[1] for m in messages], [m[2] for m in messages]))
 
-    def _publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor, tokens: int,
-                 butterfly: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
+    def _publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor,
+                 tokens: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], int]:
         """Commit this round's message; returns the anchor and delta as peers will decode them, the
         error-feedback residual after it, and bytes written. If a previous life of this learner
         already sent one for the round, peers may have mixed with it: keep to what was sent."""
@@ -438,7 +446,8 @@ class Learner:
             emit("fault", learner=self.slot.index, kind="corrupt_object", round=round_index)
         fragment = fragment_of_round(round_index, self.fragments.count)
         index = self.fragments.indices[fragment]
-        fields = {"anchor": anchor, "delta": delta} if butterfly else {"delta": delta}
+        fields = {"anchor": anchor, "delta": delta}
+        fields = {name: fields[name] for name in self._message_fields}
         if not self.codec.lossless:
             fields = {name: value - self.initial[index] if name == "anchor" else value for name, value in fields.items()}
         payload, decoded, residual = (dict(fields), dict(fields), {}) if self.codec.lossless else \
@@ -451,12 +460,34 @@ class Learner:
         try:
             nbytes = self.transport.put_message(key, payload, meta, link)
         except ObjectExists:
-            sent, sent_meta, _ = self.transport.get_message(key, link)
-            decoded = {name: decode_field(name, sent) for name in fields}
-            residual = self.feedback.residual_after(fields, index, decoded)
+            try:
+                sent, sent_meta, _ = self.transport.get_message(key, link, self._message_limit(fragment))
+                decoded = accept_message(sent, sent_meta, self._expected(self.slot.index, round_index), self.codec)
+                residual = self.feedback.residual_after(fields, index, decoded)
+            except (IntegrityError, MalformedMessage, MessageRejected) as err:
+                # Someone else wrote our key first: peers refuse it as we do, so none of this
+                # round's values reached them; mix with our own and keep the residual as it was.
+                emit("own_message_refused", learner=self.slot.index, round=round_index, reason=str(err))
+                decoded, residual = dict(fields), {}
         if not self.codec.lossless and "anchor" in decoded:
             decoded["anchor"] = decoded["anchor"] + self.initial[index]
         return decoded.get("anchor", anchor), decoded["delta"], residual, nbytes
+
+    def _expected(self, learner: int, round_index: int) -> ExpectedMessage:
+        """What learner `learner`'s message of a round must be, by this learner's own plan."""
+        fragment = fragment_of_round(round_index, self.fragments.count)
+        return ExpectedMessage(learner=learner, round=round_index, fragment=fragment,
+                               tokens=self._planned_tokens(learner), numel=int(self.fragments.indices[fragment].numel()),
+                               fields=self._message_fields, anchor_from_initial=not self.codec.lossless)
+
+    def _planned_tokens(self, learner: int) -> int:
+        """The tokens a learner's pseudo-gradient is weighed by: the spec's plan, never its message."""
+        return self.spec.learners[learner].tokens_per_round()
+
+    def _message_limit(self, fragment: int) -> int:
+        """The most bytes a well-formed message of the fragment can have, read before it is checked."""
+        numel = int(self.fragments.indices[fragment].numel())
+        return 64 * 1024 + 8 * numel * len(self._message_fields)
 
     def _receive(self, peer: int, round_index: int) -> tuple[dict[str, torch.Tensor], dict] | None:
         key = self._message_key(peer, round_index)
@@ -465,20 +496,24 @@ class Learner:
         if not self.store.wait_for(f"{key}.json", timeout):
             return self._missed(peer, round_index, "deadline")
         link = self._link(peer)
+        expected = self._expected(peer, round_index)
         try:
-            payload, meta, nbytes = self.transport.get_message(key, link)
+            payload, meta, nbytes = self.transport.get_message(key, link, self._message_limit(expected.fragment))
         except IntegrityError as err:
             self.traffic.corrupt_reads += 1
             return self._missed(peer, round_index, f"corrupt: {err}")
+        except MalformedMessage as err:
+            return self._missed(peer, round_index, f"refused: {err}")
         if link == "intra":
             self.traffic.read_intra += nbytes
         else:
             self.traffic.read_inter += nbytes
-        fields = ("anchor", "delta") if self.spec.sync.mode == "butterfly" else ("delta",)
-        message = {name: decode_field(name, payload) for name in fields}
-        if meta.get("anchor_from_initial") and "anchor" in message:
-            index = self.fragments.indices[meta["fragment"]]
-            message["anchor"] = message["anchor"] + self.initial[index]
+        try:
+            message = accept_message(payload, meta, expected, self.codec)
+        except MessageRejected as err:
+            return self._missed(peer, round_index, f"refused: {err}")
+        if expected.anchor_from_initial and "anchor" in message:
+            message["anchor"] = message["anchor"] + self.initial[self.fragments.indices[expected.fragment]]
         return message, meta
 
     def _missed(self, peer: int, round_index: int, reason: str) -> None:
@@ -555,7 +590,11 @@ class Learner:
         wait = partner_wait_s(self.spec.sync, sending - round_started - self._sync_seconds)
         self.sync_deadline = None if wait is None else sending + wait
         if self.rank == 0:
-            self.pending = self._start_exchange(t, self.anchors, flat_parameters(self.model).cpu())
+            weights = flat_parameters(self.model).cpu()
+            if not math.isfinite(loss) or not bool(torch.isfinite(weights).all()):
+                raise LearnerDiverged(f"learner {self.slot.index} round {t}: its inner loss ({loss}) or weights are "
+                                      "not finite; stopping instead of sending them to its peers")
+            self.pending = self._start_exchange(t, self.anchors, weights)
         else:
             self.pending = Exchange(t, fragment_of_round(t, self.fragments.count))
         self._sync_seconds += time.monotonic() - sending
