@@ -131,10 +131,14 @@ def evaluation_table(report: dict) -> pd.DataFrame:
 
 def fault_report(spec: RunSpec, summaries: list[dict], checkpointed_rounds: dict[int, int],
                  fault_markers: list[str]) -> dict:
-    """What went wrong during the run and what it cost.
+    """What went wrong during the run and what it cost, injected or not.
 
-    `rounds_lost`: learner-rounds without that learner's own checkpoint (work that was lost or
-    skipped by rejoining from a peer). `recovered`: learners killed mid-run that finished the run.
+    `failures` counts from the learners' own records of their lives, so a learner killed from
+    outside counts the same as a drill's: `restarts` (a life that began after one that did not end
+    at its capacity window's end: a process death and the task retry that followed),
+    `rejoined_from_peer`, and the rounds (and tokens) skipped by rejoining. `recovered`: learners
+    that restarted and still finished the run. `rounds_lost`: learner-rounds without that
+    learner's own checkpoint (work that was lost or skipped by rejoining from a peer).
     """
     killed = [int(m.split("killed-learner-")[1][:3]) for m in fault_markers if "killed-learner-" in m]
     store_faults: dict[str, int] = {}
@@ -143,12 +147,26 @@ def fault_report(spec: RunSpec, summaries: list[dict], checkpointed_rounds: dict
             store_faults[kind] = store_faults.get(kind, 0) + count
     injected = {"kill_learner": len(killed), "stage_failures": sum("failed-stage-" in m for m in fault_markers),
                 "corrupt_object": len(spec.faults_of(CorruptObject)), **{f"store_{k}": v for k, v in store_faults.items()}}
+    restarts = {s["learner"]: restarted_lives(s["lives"]) for s in summaries}
+    skipped = {s["learner"]: sum(len(life["skipped_rounds"]) for life in s["lives"]) for s in summaries}
     return {
         "injected": {k: v for k, v in injected.items() if v},
-        "recovered": sum(1 for learner in killed if summaries[learner]["rounds"]),
+        "failures": {
+            "restarts": sum(len(lives) for lives in restarts.values()),
+            "rejoined_from_peer": sum(1 for s in summaries for life in s["lives"]
+                                      if (life["resumed_from"] or {}).get("learner", s["learner"]) != s["learner"]),
+            "rounds_skipped": sum(skipped.values()),
+            "tokens_skipped": sum(n * spec.learners[learner].tokens_per_round() for learner, n in skipped.items()),
+        },
+        "recovered": sum(1 for lives in restarts.values() if lives),
         "rounds_lost": sum(spec.sync.rounds - n for n in checkpointed_rounds.values()),
         "corrupt_reads_detected": sum(s["corrupt_reads_detected"] for s in summaries),
         "missed_exchanges": sum(len(s["missed_exchanges"]) for s in summaries),
         "store_retries": sum(s["store"]["retries"] for s in summaries),
         "rejoined": {str(s["learner"]): s["rejoined_from"] for s in summaries if s["rejoined_from"]},
     }
+
+
+def restarted_lives(lives: list[dict]) -> list[dict]:
+    """The lives that began because the one before died rather than paused at its window's end."""
+    return [life for before, life in zip(lives, lives[1:]) if not before["paused"]]

@@ -48,9 +48,19 @@ def checkpoint(learner: int, round_index: int) -> str:
     return f"{round_prefix(learner, round_index)}/checkpoint"
 
 
-def learner_started(learner: int) -> str:
-    """Written when a learner first starts: a learner that finds it is restarting, not starting."""
-    return f"{learner_prefix(learner)}/started.json"
+def liveness_prefix(learner: int) -> str:
+    """Where a learner's lives are recorded, apart from its rounds so a partner lists them cheaply."""
+    return f"liveness/learner-{learner:03d}"
+
+
+def learner_life(learner: int, life: int) -> str:
+    """Written when a life of a learner starts: where it resumes and which rounds it will never send."""
+    return f"{liveness_prefix(learner)}/life-{life:03d}.json"
+
+
+def learner_paused(learner: int, life: int) -> str:
+    """Written when a life ends cleanly at its capacity window's end: the next life is no restart after a death."""
+    return f"{liveness_prefix(learner)}/paused-{life:03d}.json"
 
 
 def learner_summary(learner: int) -> str:

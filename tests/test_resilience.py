@@ -1,8 +1,11 @@
 """Learners survive peers that vanish, corrupt objects and damaged checkpoints (local store, in-process)."""
 
+import time
+
 import pytest
 import torch
 
+from eval.report import fault_report
 from infra import layout
 from infra.spec import parse_spec
 from infra.store import ObjectStore
@@ -113,3 +116,43 @@ def test_a_restarted_learner_continues_exactly_with_its_outer_optimizer_state(ru
     again.resume()
     again.run_round(2)
     assert torch.equal(flat_parameters(again.model), flat_parameters(straight.model))
+
+
+def test_a_partner_stops_waiting_as_soon_as_a_restart_records_the_round_will_never_come(run):
+    """Learner 0 dies at once, learner 1 trains on alone; learner 0's restart rejoins from learner 1's
+    round-3 checkpoint and records rounds 0 to 3 as skipped: a partner waiting for one of those
+    messages gives up within seconds instead of waiting out its 60 s timeout."""
+    spec, store = run()
+    dead = Learner(spec, store, 0)
+    dead.resume()  # its first life, which dies before its first round
+    alone = Learner(spec, store, 1)
+    alone.resume()
+    alone.run()
+    restarted = Learner(spec, store, 0)
+    restarted.resume()
+    assert restarted.rejoined_from == {"learner": 1, "round": 3} and restarted.life == 1
+    waiting = Learner(spec.model_copy(update={"sync": spec.sync.model_copy(update={"partner_timeout_s": 60})}),
+                      store, 1)
+    began = time.monotonic()
+    assert waiting._receive(0, 2) is None
+    assert time.monotonic() - began < 10
+    assert waiting.traffic.missed_exchanges[-1]["reason"] == "skipped by the peer's restart"
+    (first, second) = restarted._lives()
+    assert first["skipped_rounds"] == [] and second["skipped_rounds"] == [0, 1, 2, 3]
+
+
+def test_the_fault_report_counts_a_restart_the_same_whether_injected_or_not(run):
+    spec, store = run()
+    Learner(spec, store, 0).resume()
+    alone = Learner(spec, store, 1)
+    alone.resume()
+    alone.run()
+    restarted = Learner(spec, store, 0)
+    restarted.resume()
+    restarted.run()
+    summaries = [store.get_json(layout.learner_summary(i)) for i in range(2)]
+    faults = fault_report(spec, summaries, {0: 0, 1: 4}, store.list("faults"))
+    assert faults["injected"] == {}
+    assert faults["failures"] == {"restarts": 1, "rejoined_from_peer": 1, "rounds_skipped": 4,
+                                  "tokens_skipped": 4 * spec.learners[0].tokens_per_round()}
+    assert faults["recovered"] == 1

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -186,6 +187,8 @@ class Learner:
         self.start_round = 0
         self.sync_deadline: float | None = None
         self.rejoined_from: dict | None = None
+        self.life = 0  # this process's life among the learner's lives (restarts, window resumes)
+        self._life_records: dict[str, dict] = {}
 
     # -- state ------------------------------------------------------------------------------------
 
@@ -207,9 +210,13 @@ class Learner:
         if self.world > 1:
             dist.broadcast(source, src=0)
         learner, t = source.tolist()
-        if t < 0:
-            return
-        tensors, meta = chosen[2:] if chosen else self.store.read_committed(layout.checkpoint(learner, t))[:2]
+        if t >= 0:
+            tensors, meta = chosen[2:] if chosen else self.store.read_committed(layout.checkpoint(learner, t))[:2]
+            self._resume_from(learner, t, tensors, meta)
+        if self.rank == 0:
+            self._record_life()
+
+    def _resume_from(self, learner: int, t: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         self._load_state(tensors, meta)
         if learner != self.slot.index:
             self.feedback.reset()
@@ -222,9 +229,8 @@ class Learner:
         emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
 
     def _choose_resume_point(self) -> tuple[int, int, dict, dict] | None:
-        started = layout.learner_started(self.slot.index)
-        if not self.store.exists(started):
-            self.store.put_json(started, {"learner": self.slot.index})
+        self.life = len(self._lives())
+        if self.life == 0:
             return None
         own = self._checkpoint_rounds(self.slot.index)
         newest_own = max(own, default=-1)
@@ -243,6 +249,53 @@ class Learner:
             self.transport.load_report(self.traffic.links)
             return learner, t, tensors, meta
         return None
+
+    # -- liveness -----------------------------------------------------------------------------------
+
+    def _record_life(self) -> None:
+        """Tell the partners that this life has begun, and which of this learner's messages will never
+        come: a learner that rejoins from a peer's checkpoint skips the rounds between its own newest
+        checkpoint and that one, and a partner waiting for one of them stops at once."""
+        skipped: list[int] = []
+        if self.rejoined_from is not None and self.rejoined_from["learner"] != self.slot.index:
+            skipped = list(range(max(self._checkpoint_rounds(self.slot.index), default=-1) + 1, self.start_round))
+        self.store.put_json(layout.learner_life(self.slot.index, self.life), {
+            "learner": self.slot.index, "life": self.life, "start_round": self.start_round,
+            "resumed_from": self.rejoined_from, "skipped_rounds": skipped, "host": socket.gethostname(),
+            "pid": os.getpid(), "started_at": datetime.now(timezone.utc).isoformat()})
+        if skipped:
+            emit("skipping_rounds", learner=self.slot.index, first=skipped[0], last=skipped[-1])
+
+    def _lives(self, learner: int | None = None) -> list[dict]:
+        """The lives a learner has recorded, oldest first, each with whether it ended at a window's end."""
+        learner = self.slot.index if learner is None else learner
+        keys = self.store.list(layout.liveness_prefix(learner))
+        paused = {key.replace("/paused-", "/life-") for key in keys if "/paused-" in key}
+        return [{**self._life_record(key), "paused": key in paused} for key in keys if "/life-" in key]
+
+    def _life_record(self, key: str) -> dict:
+        """Life records are write-once, so each is read once."""
+        if key not in self._life_records:
+            self._life_records[key] = self.store.get_json(key)
+        return self._life_records[key]
+
+    def _skipped_by(self, peer: int, round_index: int) -> bool:
+        return any(round_index in life["skipped_rounds"] for life in self._lives(peer))
+
+    def _await_message(self, peer: int, round_index: int, key: str, timeout_s: float) -> str | None:
+        """None once the peer's message is committed; otherwise why it will not be mixed: the
+        deadline passed, or the peer recorded a restart that skips the round."""
+        deadline, poll_s = time.monotonic() + timeout_s, 0.05
+        while True:
+            if self.store.exists(f"{key}.json"):
+                return None
+            if self._skipped_by(peer, round_index):
+                # A dead life may have sent it before it died: then it is there to mix.
+                return None if self.store.exists(f"{key}.json") else "skipped by the peer's restart"
+            if time.monotonic() >= deadline:
+                return "deadline"
+            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
+            poll_s = min(poll_s * 1.5, 1.0)
 
     def _own_traffic(self, own_rounds: list[int]) -> Traffic:
         """The counters of this learner's earlier lives, from its newest checkpoint that verifies."""
@@ -493,8 +546,9 @@ class Learner:
         key = self._message_key(peer, round_index)
         timeout = (self.spec.sync.partner_timeout_s if self.sync_deadline is None
                    else max(0.0, self.sync_deadline - time.monotonic()))
-        if not self.store.wait_for(f"{key}.json", timeout):
-            return self._missed(peer, round_index, "deadline")
+        absent = self._await_message(peer, round_index, key, timeout)
+        if absent is not None:
+            return self._missed(peer, round_index, absent)
         link = self._link(peer)
         expected = self._expected(peer, round_index)
         try:
@@ -553,6 +607,8 @@ class Learner:
     def _window_closed(self, next_round: int, until: str) -> None:
         self.finish_checkpoint()
         if self.rank == 0:
+            self.store.put_json(layout.learner_paused(self.slot.index, self.life),
+                                {"learner": self.slot.index, "life": self.life, "next_round": next_round})
             emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=next_round,
                  rounds=self.spec.sync.rounds, until=until)
 
@@ -643,7 +699,8 @@ class Learner:
                    "corrupt_reads_detected": self.traffic.corrupt_reads, "store": dict(self.store.stats),
                    "seconds_blocked": self.traffic.seconds_blocked, "exchanges": self.traffic.exchanges,
                    "links": self.transport.report(), "fragment_sizes": self.fragments.sizes,
-                   "store_faults_injected": dict(getattr(self.store.fs, "counts", {}))}
+                   "store_faults_injected": dict(getattr(self.store.fs, "counts", {})),
+                   "lives": self._lives()}
         if not self.store.exists(key):
             self.store.put_json(key, summary)
         emit("done", learner=self.slot.index)
