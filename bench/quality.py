@@ -38,7 +38,7 @@ import torch
 from eval.bpb import bits_per_byte
 from eval.evaluate import load_model
 from infra import layout
-from infra.launch import LearnerProcess, run_learner
+from infra.launch import LearnerFailed, LearnerProcess, run_learner
 from infra.spec import RunSpec, parse_spec
 from infra.store import run_store
 from tasks.training import threads_per_process
@@ -227,9 +227,22 @@ class Log:
         self.file.flush()
 
 
-def train_islands(spec: RunSpec, run_id: str, log: Log) -> dict:
-    """Every learner as its own OS process (as the lifecycle runs them), then consolidation."""
+def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> dict:
+    """Every learner as its own OS process (as the lifecycle runs them), then consolidation. A
+    learner that dies is started again up to `restarts` times, a second later, as the lifecycle's
+    `train-learner` task retries it."""
     threads = threads_per_process(spec)
+
+    def train(slot) -> None:
+        for attempt in range(restarts + 1):
+            try:
+                return run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
+                                   spec.store.url, None, run_id, relay)
+            except LearnerFailed as err:
+                if attempt == restarts:
+                    raise
+                log(f"  learner {slot.index} died ({str(err).splitlines()[0]}); restarting")
+                time.sleep(1)
 
     def relay(line: str) -> None:
         try:
@@ -239,12 +252,11 @@ def train_islands(spec: RunSpec, run_id: str, log: Log) -> dict:
         if event.get("event") == "round" and event["learner"] == 0 and event["round"] % 5 == 4:
             log(f"  learner 0 round {event['round'] + 1}/{event['rounds']} loss {event['loss']:.3f} "
                 f"{event['tokens_per_s']:,} tok/s ETA {event['eta_s']:.0f} s")
-        elif event.get("event") in ("missed_exchange", "fault"):
+        elif event.get("event") in ("missed_exchange", "fault", "resumed", "skipping_rounds"):
             log(f"  {event}")
 
     with ThreadPoolExecutor(len(spec.learners)) as pool:
-        running = [pool.submit(run_learner, LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
-                               spec.store.url, None, run_id, relay) for slot in spec.learners]
+        running = [pool.submit(train, slot) for slot in spec.learners]
         for learner in running:
             learner.result()
     return consolidate(spec, run_store(spec.store, run_id))
