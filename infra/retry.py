@@ -3,6 +3,9 @@
 Only errors that a later attempt can cure are retried (timeouts, dropped connections, 5xx and
 SlowDown answers). Everything else (a missing object, a denied request, a bug) propagates at
 once, unchanged, because retrying it only delays the same failure.
+
+This is the only retry loop: the S3 store turns off botocore's and s3fs's own retries
+(infra/store.py) so that a policy's budget is what bounds a call.
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ _TRANSIENT_MARKERS = (
     "SlowDown", "reduce your request rate", "ServiceUnavailable", "Service Unavailable",
     "InternalError", "Bad Gateway", "Gateway Timeout",
 )
-_TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"})
+# ConditionalRequestConflict (409): a conditional write met a concurrent one; S3 documents it as
+# "retry", and the retried create-only PUT then succeeds or is refused with 412.
+# XAmzContentSHA256Mismatch: the body was damaged in transit; s3fs's own retries used to redo it.
+_TRANSIENT_CODES = frozenset({"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout",
+                              "ConditionalRequestConflict", "XAmzContentSHA256Mismatch"})
 # Subclasses of OSError that no retry can cure; checked first because they share its errnos.
 _PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)
 
@@ -48,7 +55,11 @@ class StoreUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Attempts and backoff for one store call; `budget_s` bounds the whole call, sleeps included."""
+    """Attempts and backoff for one store call; `budget_s` bounds the whole call, sleeps included.
+
+    No attempt starts once the budget is spent; one already under way runs to its own timeouts,
+    which the S3 store caps at the budget.
+    """
 
     attempts: int = 6
     base_delay_s: float = 0.05
@@ -72,12 +83,15 @@ def _transient_types() -> tuple[type[BaseException], ...]:
                                         http.client.IncompleteRead]
     try:
         from botocore import exceptions as boto
+        from botocore.parsers import ResponseParserError
     except ImportError:
         pass
     else:
         # HTTPClientError covers ReadTimeoutError and ConnectionClosedError; boto's
         # ConnectionError covers EndpointConnectionError and ConnectTimeoutError.
-        types += [boto.ConnectionError, boto.HTTPClientError]
+        # ResponseParserError: throttling answers can come back as invalid XML (s3fs issue
+        # #484), which s3fs's own retries used to absorb.
+        types += [boto.ConnectionError, boto.HTTPClientError, ResponseParserError]
     try:
         import aiohttp
     except ImportError:
@@ -87,8 +101,9 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     return tuple(types)
 
 
-def _is_5xx_response(error: BaseException | None) -> bool:
-    """A botocore ClientError (raised directly, or the cause s3fs chained) reporting a 5xx."""
+def _is_transient_response(error: BaseException | None) -> bool:
+    """A botocore ClientError (raised directly, or the cause s3fs chained) reporting a 5xx or
+    one of the codes that S3 documents as worth retrying."""
     response = getattr(error, "response", None)
     if not isinstance(response, dict):
         return False
@@ -105,10 +120,10 @@ def is_transient(error: BaseException) -> bool:
         # answer will be the same on the next attempt.
         status = getattr(error, "status", None)
         return not (isinstance(status, int) and status < 500)
-    if _is_5xx_response(error):
+    if _is_transient_response(error):
         return True
     if isinstance(error, OSError):
-        return (error.errno in _TRANSIENT_ERRNOS or _is_5xx_response(error.__cause__)
+        return (error.errno in _TRANSIENT_ERRNOS or _is_transient_response(error.__cause__)
                 or any(marker in str(error) for marker in _TRANSIENT_MARKERS))
     return False
 

@@ -1,9 +1,11 @@
 """Object storage that learners use as their only channel: write-once, checksummed objects.
 
 The same semantics hold for a local folder (the embedded default) and for S3 through s3fs:
-  * an object is written once and never overwritten; a second write of a key is an error;
-  * a reader never sees a partial object (local writes land through an atomic hard link,
-    S3 PUTs are atomic);
+  * an object is written once and never overwritten; a second write of a key with other bytes
+    is an error, also when two writers race (local writes land through a hard link, which
+    refuses an existing name; S3 writes are conditional PUTs, If-None-Match: *);
+  * a reader never sees a partial object (the hard link and the PUT are atomic);
+  * a local store never follows a symlink out of its root;
   * every read can be verified: JSON documents carry their own sha256, and tensors are read
     against the sha256 that the JSON document referencing them recorded.
 Nothing read from the store is unpickled: tensors are safetensors, metadata is JSON.
@@ -28,7 +30,9 @@ from safetensors.torch import save as save_safetensors
 from infra.faults import FaultInjectingFileSystem, StoreFaults
 from infra.retry import RetryPolicy, call_with_retry
 
-_KEY = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=-]*(/[A-Za-z0-9_][A-Za-z0-9_.=-]*)*$")
+# A segment cannot start with '.', which keeps out '.', '..' and hidden temporary files.
+_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]*")
+_KEY = re.compile(rf"{_SEGMENT.pattern}(/{_SEGMENT.pattern})*")
 # S3's bucket naming rules (3-63 lowercase letters, digits, dots and hyphens, alphanumeric ends).
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
@@ -55,7 +59,7 @@ def sha256(data: bytes) -> str:
 
 
 def validate_key(key: str) -> str:
-    if not _KEY.match(key) or ".." in key.split("/"):
+    if not isinstance(key, str) or not _KEY.fullmatch(key):
         raise StoreError(f"invalid object key {key!r}: use relative paths of [A-Za-z0-9_.=-] segments")
     return key
 
@@ -80,7 +84,7 @@ def parse_store_url(url: str) -> str:
             raise refuse("no bucket")
         if not _BUCKET.fullmatch(bucket):
             raise refuse(f"bucket {bucket!r} is not a valid S3 bucket name")
-        if prefix and (not _KEY.fullmatch(prefix) or ".." in prefix.split("/")):
+        if prefix and not _KEY.fullmatch(prefix):
             raise refuse(f"prefix {prefix!r} must be [A-Za-z0-9_.=-] segments separated by single '/'")
         return f"s3://{bucket}" + (f"/{prefix}" if prefix else "")
     if url.startswith("file://"):
@@ -123,8 +127,8 @@ class ObjectStore:
         self.is_local = not self.url.startswith("s3://")
         self.root = self.url if self.is_local else self.url[len("s3://"):]
         if _shared is None:
-            fs = fsspec.filesystem("s3", **_s3_options(endpoint_url)) if not self.is_local else fsspec.filesystem("file")
-            _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs)
+            fs = fsspec.filesystem("file") if self.is_local else _s3_filesystem(endpoint_url, retry)
+            _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs, self.root)
         self._shared = _shared
         self.fs = _shared.fs
 
@@ -144,17 +148,26 @@ class ObjectStore:
         return self._shared.stats
 
     def _path(self, key: str) -> str:
-        return f"{self.root}/{validate_key(key)}"
+        path = f"{self.root}/{validate_key(key)}"
+        if self.is_local:
+            # Checked against the outermost store's root: a child whose prefix is itself a
+            # symlink has a root outside it.
+            jail = self._shared.root
+            resolved = os.path.realpath(path)
+            if resolved != jail and not resolved.startswith(jail + os.sep):
+                raise StoreError(f"object {key} in {self.url} resolves to {resolved}, outside the store "
+                                 f"root {jail}: a symlink leads out of the store; refusing to follow it")
+        return path
 
     def address(self, key: str) -> str:
         """Where a person finds an object: its file:// or s3:// URL."""
         return Path(self._path(key)).as_uri() if self.is_local else f"s3://{self._path(key)}"
 
-    def _call(self, describe: str, fn, *args, policy: RetryPolicy | None = None):
+    def _call(self, describe: str, fn, *args, policy: RetryPolicy | None = None, **kwargs):
         def count(attempt, error, delay):
             self._shared.stats["retries"] += 1
         return call_with_retry(fn, *args, policy=policy or self.retry, describe=f"{describe} {self.url}",
-                               on_retry=count)
+                               on_retry=count, **kwargs)
 
     def check_reachable(self) -> None:
         """Fail fast, before any training, when the store cannot be written."""
@@ -172,14 +185,16 @@ class ObjectStore:
 
     def put_bytes(self, key: str, data: bytes) -> ObjectRef:
         """Write an object once. Writing the same bytes again is a no-op (so a retried stage can
-        redo its writes); different bytes under an existing key are refused."""
+        redo its writes, and a retried PUT whose first answer was lost succeeds); different bytes
+        under an existing key are refused, whichever of two racing writers comes second."""
         ref = ObjectRef(key, sha256(data), len(data))
-        if self.exists(key):
+        try:
+            self._write(key, data)
+        except ObjectExists:
             if self._existing_matches(key, ref.sha256):
                 return ref
             raise ObjectExists(f"object {key} already exists in {self.url} with other content; "
-                               "objects are written once")
-        self._write(key, data)
+                               "objects are written once") from None
         return ref
 
     def _existing_matches(self, key: str, digest: str) -> bool:
@@ -192,7 +207,13 @@ class ObjectStore:
     def _write(self, key: str, data: bytes, policy: RetryPolicy | None = None) -> None:
         payload = self._shared.take_corruption(data)
         if not self.is_local:
-            self._call(f"put {key} to", self.fs.pipe_file, self._path(key), payload, policy=policy)
+            try:
+                self._call(f"put {key} to", self.fs.pipe_file, self._path(key), payload, mode="create",
+                           chunksize=_SINGLE_PUT_MAX_BYTES, policy=policy)
+            except OSError as err:
+                if _is_create_conflict(err):
+                    raise ObjectExists(f"object {key} already exists in {self.url}; objects are written once") from None
+                raise
             return
         final = Path(self._path(key))
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -304,10 +325,12 @@ def _verified_json_body(raw: bytes) -> dict | None:
 
 
 class _Shared:
-    """What a store and its children share: one connection, the fault switch, the counters."""
+    """What a store and its children share: one connection, the outermost root, the fault
+    switch, the counters."""
 
-    def __init__(self, fs):
+    def __init__(self, fs, root: str):
         self.fs = fs
+        self.root = root
         self.corrupt_next = False
         self.stats = {"retries": 0, "checksum_mismatches": 0}
 
@@ -320,18 +343,74 @@ class _Shared:
         return bytes(damaged)
 
 
-def _s3_options(endpoint_url: str | None) -> dict:
-    """s3fs settings from the environment; credentials are never taken from the spec."""
-    missing = [v for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY") if not os.environ.get(v)]
-    if missing:
-        raise StoreError(f"s3 store needs credentials in the environment: {', '.join(missing)} not set")
+# s3fs sends one PUT below 2 * chunksize, capped at S3's 5 GiB single-PUT limit. A conditional
+# single PUT is atomic on S3 and on SeaweedFS. SeaweedFS checks the condition of a multipart
+# completion before, not with, the write it routes to the key's owner filer (weed/s3api/
+# filer_multipart.go, 2026-08), so racing completions can both win: chunks this large keep
+# every object under 5 GiB a single PUT instead of s3fs's multipart from 100 MiB.
+_SINGLE_PUT_MAX_BYTES = 5 * 2**30
+# s3fs's own defaults, capped at the retry budget so that one attempt cannot outlast it.
+_CONNECT_TIMEOUT_S = 5.0
+_READ_TIMEOUT_S = 15.0
+
+
+def _is_create_conflict(error: OSError) -> bool:
+    """A create-only PUT refused because the key exists (HTTP 412 to If-None-Match: *).
+
+    s3fs turns it into FileExistsError only when the answer names the failed condition, as
+    AWS's does; SeaweedFS's does not, and arrives as a plain OSError caused by the ClientError.
+    """
+    if isinstance(error, FileExistsError):
+        return True
+    response = getattr(error.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    return (response.get("Error", {}).get("Code") == "PreconditionFailed"
+            or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
+def _require_aws_credentials() -> None:
+    """Fail at once, by name, when the standard AWS chain finds no credentials at all.
+
+    The chain is botocore's: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE with the
+    shared credentials and config files (static keys, roles, SSO, credential_process), then
+    container and instance roles. Credentials are never taken from the spec, and never logged.
+    """
+    import botocore.session
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        found = botocore.session.Session().get_credentials()
+    except BotoCoreError as err:  # e.g. AWS_PROFILE names a profile that no file defines
+        raise StoreError(f"s3 store: the AWS credential chain failed: {err}") from None
+    if found is None:
+        raise StoreError("s3 store needs AWS credentials and found none: set AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with a shared credentials/config file, "
+                         "or run with an instance or container role")
+
+
+def _s3_filesystem(endpoint_url: str | None, retry: RetryPolicy):
+    """An s3fs filesystem that makes one attempt per call: `retry` (infra/retry.py) is the only
+    retry loop, so its budget bounds a call instead of botocore's and s3fs's retries under it."""
+    _require_aws_credentials()
     endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-    options: dict = {"use_listings_cache": False}
+    options: dict = {"use_listings_cache": False, "config_kwargs": {
+        "retries": {"total_max_attempts": 1},
+        "connect_timeout": min(_CONNECT_TIMEOUT_S, retry.budget_s),
+        "read_timeout": min(_READ_TIMEOUT_S, retry.budget_s),
+    }}
     if endpoint:
         options["endpoint_url"] = endpoint
-    return options
+    fs = fsspec.filesystem("s3", **options)
+    # A class attribute in s3fs, not a constructor option; these options are ours alone, so
+    # setting it on the shared instance changes no other user of s3fs.
+    fs.retries = 1
+    return fs
 
 
 def run_store(store_spec, run_id: str) -> ObjectStore:
     """The prefix that holds everything of one run."""
-    return ObjectStore.from_spec(store_spec).child(f"runs/{validate_key(run_id)}")
+    if not isinstance(run_id, str) or not _SEGMENT.fullmatch(run_id):
+        raise StoreError(f"invalid run id {run_id!r}: one path segment of [A-Za-z0-9_.=-], "
+                         "not starting with '.'")
+    return ObjectStore.from_spec(store_spec).child(f"runs/{run_id}")

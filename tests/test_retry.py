@@ -129,6 +129,18 @@ def test_s3fs_translated_5xx_answers_are_transient(code, status, message, set_ca
     assert type(error) is OSError and is_transient(error)
 
 
+@pytest.mark.parametrize("code, status, message", [
+    ("ConditionalRequestConflict", 409, "The conditional request cannot succeed due to a conflicting operation"),
+    ("XAmzContentSHA256Mismatch", 400, "The provided 'x-amz-content-sha256' header does not match"),
+])
+def test_answers_that_s3fs_used_to_retry_itself_are_transient(code, status, message):
+    """s3fs and botocore no longer retry under our policy, so what they retried, we must:
+    a conditional PUT that met a concurrent one (409: S3 says retry; the next attempt gets
+    200 or 412) and a body damaged in transit."""
+    error = s3fs_error(code, status, message)
+    assert type(error) is OSError and is_transient(error)
+
+
 @pytest.mark.parametrize("code, status, expected", [
     ("NoSuchKey", 404, FileNotFoundError), ("AccessDenied", 403, PermissionError),
     ("InvalidArgument", 400, OSError),
@@ -141,6 +153,7 @@ def test_s3fs_translated_4xx_answers_are_not_transient(code, status, expected):
 def test_connection_level_errors_are_transient():
     import aiohttp
     from botocore import exceptions as boto
+    from botocore.parsers import ResponseParserError  # throttling answers with invalid XML
     from urllib3.exceptions import IncompleteRead  # what s3fs raises for a cut-short body
 
     for error in [boto.EndpointConnectionError(endpoint_url="http://s3"),
@@ -149,7 +162,7 @@ def test_connection_level_errors_are_transient():
                   boto.ConnectionClosedError(endpoint_url="http://s3"),
                   aiohttp.ClientConnectionError("reset"), aiohttp.ClientPayloadError("cut"),
                   IncompleteRead(b"partial", 100), ConnectionRefusedError(),
-                  aiohttp.ClientResponseError(None, (), status=503)]:
+                  aiohttp.ClientResponseError(None, (), status=503), ResponseParserError("bad XML")]:
         assert is_transient(error), error
     assert not is_transient(aiohttp.ClientResponseError(None, (), status=403))
 

@@ -1,5 +1,7 @@
 """The store's contract, on a local folder and on a real S3 server."""
 
+import os
+
 import pytest
 import torch
 
@@ -49,8 +51,12 @@ def test_missing_objects_and_bad_keys(store):
             store.put_bytes(key, b"x")
 
 
-def test_s3_store_without_credentials_is_refused(monkeypatch):
-    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
-    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
-    with pytest.raises(StoreError, match="AWS_ACCESS_KEY_ID"):
+def test_s3_store_without_credentials_is_refused(monkeypatch, tmp_path):
+    """Nowhere in the AWS credential chain holds credentials: refused at once, by name."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(StoreError, match="needs AWS credentials and found none.*AWS_PROFILE"):
         ObjectStore("s3://archipelago/x")
