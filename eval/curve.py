@@ -12,7 +12,9 @@ import math
 
 from eval.bpb import bits_per_byte
 from infra import layout
+from infra.derived import read_derived
 from infra.spec import RunSpec
+from infra.store import IntegrityError
 from training.data import read_stream
 from training.learner import build_model, load_flat_parameters
 from training.mixing import weighted_mean
@@ -39,9 +41,13 @@ def _islands_model(spec: RunSpec, store, round_index: int):
     weights, tokens = [], []
     for slot in spec.learners:
         key = layout.checkpoint(slot.index, round_index)
-        if store.is_committed(key):
+        if not store.is_committed(key):
+            continue
+        try:
             weights.append(store.read_committed(key)[0]["weights"])
-            tokens.append(slot.tokens_per_round())
+        except IntegrityError:  # left out, as consolidation leaves out a corrupt final checkpoint
+            continue
+        tokens.append(slot.tokens_per_round())
     if not weights:
         return None, 0
     model = build_model(spec)
@@ -60,7 +66,7 @@ def evaluate_curve(spec: RunSpec, store) -> list[dict]:
             models.append(("islands", tokens, model))
     snapshots = [key.removesuffix(".json") for key in store.list(layout.BASELINE_SNAPSHOTS) if key.endswith(".json")]
     for key in snapshots + [layout.BASELINE]:
-        tensors, meta, _ = store.read_committed(key)
+        tensors, meta, _ = read_derived(store, key)
         model = build_model(spec)
         load_flat_parameters(model, tensors["weights"])
         models.append(("standard", meta["tokens"], model))

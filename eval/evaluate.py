@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from infra import layout
+from infra.derived import read_derived
 from infra.spec import RunSpec
 from eval.bpb import bits_per_byte
 from training.data import read_stream
@@ -10,7 +11,7 @@ from training.learner import build_model, load_flat_parameters
 
 
 def load_model(spec: RunSpec, store, key: str):
-    tensors, meta, _ = store.read_committed(key)
+    tensors, meta, _ = read_derived(store, key)
     model = build_model(spec)
     load_flat_parameters(model, tensors["weights"])
     return model, meta

@@ -2,11 +2,25 @@
 
 Learners get the store's address and the run id on the command line and credentials through
 the inherited environment, never as arguments (arguments show up in `ps` and in logs).
+
+A learner never outlives the process that started it, so a retry never runs a second copy beside
+a stray first one: `run_learner` starts it in its own process group and ends that group however
+it returns (the learner's exit, an error relaying its output, an interrupt), and every learner
+process, torchrun's workers included, starts through this module's `main`, which has the kernel
+kill it when its parent dies (a parent killed with SIGKILL runs no cleanup of its own).
+
+Nothing a torchrun group opens listens beyond loopback: its rendezvous store is bound to
+127.0.0.1 (torchrun's own rendezvous binds it to every interface) and gloo and NCCL are told to
+use `lo`. The store is unauthenticated; it carries no pickles under the static rendezvous.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
+import runpy
+import signal
+import socket
 import subprocess
 import sys
 from collections import deque
@@ -14,8 +28,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
 # Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
 WINDOW_CLOSED = 75
+
+# Every learner process starts as `python -m infra.launch MODULE ARGS...` (see `main`).
+GUARDED = [sys.executable, "-m", "infra.launch"]
+TORCHRUN = "torch.distributed.run"
+LOOPBACK_RENDEZVOUS = "archipelago-loopback"
+# The pid a guarded process must find as its parent; each guarded process sets it to its own for its children.
+PARENT_PID = "ARCHIPELAGO_PARENT_PID"
+LOOPBACK_ONLY = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+# How long a learner's group gets to exit on SIGTERM (torchrun stops its workers) before SIGKILL.
+TERMINATE_GRACE_S = 5.0
+PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -25,13 +55,15 @@ class LearnerProcess:
     threads: int
     until: datetime | None = None  # the end of the island's capacity window
     # Prepended to the command line, e.g. `ip netns exec NS` to run in an island's network namespace.
+    # It must exec the command, not fork it: the learner checks that its parent is the launcher.
     wrapper: tuple[str, ...] = ()
 
     def command(self, store_url: str, endpoint_url: str | None, run_id: str) -> list[str]:
-        launcher = [sys.executable, "-m", "training.learner"]
+        launcher = [*GUARDED, "training.learner"]
         if self.processes > 1:
-            launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        f"--nproc-per-node={self.processes}", "-m", "training.learner"]
+            launcher = [*GUARDED, TORCHRUN, f"--rdzv-backend={LOOPBACK_RENDEZVOUS}",
+                        "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1",
+                        f"--nproc-per-node={self.processes}", "-m", "infra.launch", "training.learner"]
         args = ["--store", store_url, "--run-id", run_id, "--learner", str(self.learner),
                 "--threads", str(self.threads)]
         if endpoint_url:
@@ -49,15 +81,95 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
                 on_line: Callable[[str], None]) -> None:
     """Run one learner until it exits, relaying its output lines; raise with its last lines if it failed.
     A learner that stopped at its capacity window's end exits cleanly too; the caller tells a pause
-    from the end by the learner's summary, which only a learner that trained every round writes."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads)}
-    proc = subprocess.Popen(learner.command(store_url, endpoint_url, run_id), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    from the end by the learner's summary, which only a learner that trained every round writes.
+    Whatever ends this call, the learner's process group is ended with it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
+           PARENT_PID: str(os.getpid()), **LOOPBACK_ONLY}
     tail: deque[str] = deque(maxlen=30)
-    for line in proc.stdout:
-        tail.append(line.rstrip("\n"))
-        on_line(tail[-1])
-    code = proc.wait()
+    with subprocess.Popen(learner.command(store_url, endpoint_url, run_id), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as proc:
+        try:
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                on_line(tail[-1])
+            proc.wait()
+        finally:
+            end_group(proc)
+    code = proc.returncode
     if code not in (0, WINDOW_CLOSED):
         cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         raise LearnerFailed(f"learner {learner.learner} failed ({cause}); its last output:\n" + "\n".join(tail))
+
+
+def end_group(proc: subprocess.Popen) -> None:
+    """End the process group `proc` leads: SIGTERM while its leader runs, then SIGKILL for whatever is left."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=TERMINATE_GRACE_S)
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:  # the group is already empty
+        pass
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies; exit now if it already has.
+
+    The parent may die between its fork and this call, leaving us reparented: the launcher's pid
+    it left in the environment tells. Linux only: elsewhere a learner relies on `run_learner`
+    ending its group."""
+    if sys.platform != "linux":
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    expected = int(os.environ[PARENT_PID])
+    if os.getppid() != expected:
+        sys.exit(f"learner process {os.getpid()}: its parent is {os.getppid()}, not the launcher {expected} "
+                 "(the launcher died, or a wrapper forked instead of exec'ing); not starting")
+    os.environ[PARENT_PID] = str(os.getpid())
+
+
+class LoopbackRendezvous(StaticTCPRendezvous):
+    """torchrun's static rendezvous for one node, its store listening only on its endpoint's
+    address (port 0: one the kernel picks). torch binds a store server to every interface unless
+    handed a bound socket."""
+
+    def get_backend(self) -> str:
+        return LOOPBACK_RENDEZVOUS
+
+    def next_rendezvous(self):
+        if not self._store:
+            listener = socket.create_server((self.master_addr, self.master_port))
+            self.master_port = listener.getsockname()[1]
+            self._store = TCPStore(self.master_addr, self.master_port, self.world_size, True, self.timeout,
+                                   master_listen_fd=listener.detach())
+        return super().next_rendezvous()
+
+
+def loopback_rendezvous(params: RendezvousParameters) -> LoopbackRendezvous:
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
+    return LoopbackRendezvous(host, port, rank=0, world_size=1, run_id=params.run_id, timeout=600)
+
+
+def main(argv: list[str]) -> None:
+    """`python -m infra.launch MODULE ARGS...`: run MODULE as `python -m` would, as a process that
+    dies with its parent; torchrun (MODULE torch.distributed.run) gets the loopback rendezvous."""
+    die_with_parent()
+    module = argv[0]
+    if module == TORCHRUN:
+        rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, loopback_rendezvous)
+    sys.argv = argv  # run_module replaces argv[0] with the module's path, as `python -m` does
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

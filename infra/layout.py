@@ -74,3 +74,9 @@ def baseline_snapshot(step: int) -> str:
 
 def figure(name: str) -> str:
     return f"report/figures/{name}.png"
+
+
+def rewrite(key: str, attempt: int) -> str:
+    """Where a derived object (a model the lifecycle computed) is committed again when its earlier
+    commit came out corrupt: objects are written once, so a damaged one is never replaced in place."""
+    return f"rewrites/{attempt}/{key}"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from datetime import datetime
+from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -25,6 +27,33 @@ def threads_per_process(spec: RunSpec) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
+def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
+    """What becomes of each line a learner prints: its JSON events turn into log lines and progress,
+    anything else (a library's warning, a traceback, JSON that is not an event) is logged as text."""
+
+    def relay(line: str) -> None:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        if not isinstance(event, dict) or "event" not in event:
+            logger.info("%s", line)
+            return
+        if event["event"] == "round":
+            logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
+                        event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
+            update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
+        elif event["event"] == "window_closed":
+            logger.warning("capacity window ends %s: stopping before round %d/%d; the next window resumes here",
+                           event["until"], event["next_round"] + 1, event["rounds"])
+        elif event["event"] in ("missed_exchange", "fault", "corrupt_checkpoint"):
+            logger.warning("%s", event)
+        else:
+            logger.info("%s", event)
+
+    return relay
+
+
 @stage("train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1)
 def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: datetime | None = None) -> dict:
     """One learner of an island's segment, as its own OS process (a torchrun group if it has several).
@@ -37,27 +66,8 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
     island_spec = spec.learners[learner].island
     progress = create_progress_artifact(0.0, key=f"progress-learner-{learner}",
                                         description=f"Rounds completed by learner {learner} on {island} ({run_id})")
-
-    def relay(line: str) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            logger.info("%s", line)
-            return
-        if event.get("event") == "round":
-            logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
-                        event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
-            update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
-        elif event.get("event") == "window_closed":
-            logger.warning("capacity window ends %s: stopping before round %d/%d; the next window resumes here",
-                           event["until"], event["next_round"] + 1, event["rounds"])
-        elif event.get("event") in ("missed_exchange", "fault", "corrupt_checkpoint"):
-            logger.warning("%s", event)
-        else:
-            logger.info("%s", event)
-
     run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until),
-                spec.store.url, spec.store.endpoint_url, run_id, relay)
+                spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress))
     return {"learner": learner, "island": island,
             "finished": run_store(spec.store, run_id).exists(layout.learner_summary(learner))}
 
@@ -66,8 +76,12 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
 def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "consolidate")
     consensus = consolidate(spec, run_store(spec.store, run_id))
-    get_run_logger().info("consolidated %d learners; max relative weight distance %.4f",
-                          len(spec.learners), consensus["max_weight_distance"])
+    logger = get_run_logger()
+    logger.info("consolidated %d learners; max relative weight distance %.4f",
+                len(consensus["per_learner"]), consensus["max_weight_distance"])
+    if consensus["learners_with_corrupt_final_checkpoint"]:
+        logger.warning("left out learners %s: their final checkpoint is corrupt",
+                       consensus["learners_with_corrupt_final_checkpoint"])
     return consensus
 
 

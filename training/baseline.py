@@ -16,6 +16,7 @@ import torch
 
 from eval.curve import snapshot_steps
 from infra import layout
+from infra.derived import commit_derived
 from infra.spec import RunSpec
 from training.data import WindowSampler, read_stream
 from training.learner import build_model, flat_parameters, learning_rate
@@ -94,14 +95,14 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
         optimizer.step()
         tokens += total
         if step in snapshots and step != steps - 1:
-            store.commit_tensors(layout.baseline_snapshot(step), {"weights": flat_parameters(model)},
+            commit_derived(store, layout.baseline_snapshot(step), {"weights": flat_parameters(model)},
                                  {"tokens": tokens, "step": step})
         if step % 25 == 0 or step == steps - 1:
             elapsed = time.monotonic() - started
             progress({"step": step + 1, "steps": steps, "loss": round(loss_sum, 4),
                       "tokens_per_s": round(tokens / elapsed), "eta_s": round(elapsed / (step + 1) * (steps - step - 1), 1)})
     weights = flat_parameters(model)
-    store.commit_tensors(layout.BASELINE, {"weights": weights},
+    commit_derived(store, layout.BASELINE, {"weights": weights},
                          {"tokens": tokens, "steps": steps, "global_batch": global_batch,
                           "seconds": time.monotonic() - started})
     return {"tokens": tokens, "steps": steps, "global_batch": global_batch}

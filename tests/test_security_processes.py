@@ -1,0 +1,227 @@
+"""Learner processes die with their launcher and listen on loopback only; a corrupt final
+checkpoint or a damaged derived model does not fail its stage on every retry."""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.evaluate import load_model
+from infra import layout
+from infra.launch import LearnerProcess, run_learner
+from infra.spec import parse_spec
+from infra.store import IntegrityError, ObjectStore
+from tasks.training import learner_relay
+from training.baseline import train_baseline
+from training.consolidate import consolidate
+from training.data import prepare_dataset
+from training.learner import build_model, flat_parameters
+from training.mixing import weighted_mean
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def endless_learner_run(tmp_path: Path, processes: int, learners: int = 1) -> tuple[str, ObjectStore]:
+    """A prepared run with more rounds than a test waits for; learner 0 has `processes` processes
+    and, with a second learner that never starts, waits minutes for its partner in round 0.
+    Returns the store's URL, which every process of learner 0 carries as `--store URL`, and the run's store."""
+    for i in range(6):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+    spec = parse_spec({
+        "name": "processes",
+        "islands": [{"name": "a", "learners": learners, "batch_size": 2, "seq_len": 16, "inner_steps": 2,
+                     "processes_per_learner": processes}],
+        "model": {"layers": 2, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+                              "eval_fraction": 0.2}]},
+        "sync": {"warmup_steps": 1, "rounds": 100_000, "partner_timeout_s": 300},
+        "store": {"url": str(tmp_path / "store")},
+    })
+    store = ObjectStore(spec.store.url).child("runs/r")
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, store)
+    return spec.store.url, store
+
+
+def learner_pids(store_url: str) -> list[int]:
+    """Live processes started with `--store store_url` (a zombie's command line reads empty)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if any(a == b"--store" and b == store_url.encode() for a, b in zip(argv, argv[1:])):
+            pids.append(int(entry))
+    return pids
+
+
+def left_after(store_url: str, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while (pids := learner_pids(store_url)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
+
+
+def listening_addresses(pids: list[int]) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]]:
+    """(address, port) of every TCP socket in LISTEN state that one of `pids` holds open."""
+    inodes = set()
+    for pid in pids:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:["):-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: TCP_LISTEN
+                host, port = local.split(":")
+                raw = bytes.fromhex(host)  # 32-bit words in host (little-endian) order
+                address = ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+                found.append((address, int(port, 16)))
+    return found
+
+
+def is_loopback(address) -> bool:
+    return address.is_loopback or bool(getattr(address, "ipv4_mapped", None) and address.ipv4_mapped.is_loopback)
+
+
+class StopLearner(Exception):
+    pass
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_learner_dies_with_its_killed_launcher(tmp_path, processes):
+    """Attack: SIGKILL the process that launched a learner (a crashed or killed flow/worker runs no
+    cleanup) while the learner waits, silent, for its partner; before, the learner (and torchrun's
+    workers) lived on beside the copy the retry starts."""
+    store_url, store = endless_learner_run(tmp_path, processes, learners=2)
+    expected = 1 if processes == 1 else 1 + processes  # torchrun and its workers
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from infra.launch import LearnerProcess, run_learner; "
+         f"run_learner(LearnerProcess(0, {processes}, 1), sys.argv[1], None, 'r', print)", store_url], cwd=REPO)
+    try:
+        deadline = time.monotonic() + 120
+        while not (store.list(layout.learner_prefix(0)) and len(learner_pids(store_url)) == expected):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the learner never started training"
+            time.sleep(0.2)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert left_after(store_url, 5.0) == []
+
+
+def test_a_relay_error_ends_the_learners_process_group(tmp_path):
+    """Bad input: the relay of a torchrun learner's output fails; before, run_learner raised and
+    left the learner running for Prefect's retry to start a second copy beside."""
+    store_url, _ = endless_learner_run(tmp_path, 2)
+    started = []
+
+    def broken_relay(line: str) -> None:
+        if '"event": "round"' in line:
+            started.extend(learner_pids(store_url))
+            raise StopLearner
+
+    with pytest.raises(StopLearner):
+        run_learner(LearnerProcess(0, 2, 1), store_url, None, "r", broken_relay)
+    assert len(started) == 3
+    assert left_after(store_url, 5.0) == []
+
+
+def test_a_torchrun_learner_listens_on_loopback_only(tmp_path):
+    """Attack surface: torchrun's rendezvous store (unauthenticated) and gloo's sockets; before,
+    `--standalone` bound the store to every interface."""
+    store_url, _ = endless_learner_run(tmp_path, 2)
+    listening = []
+
+    def inspect_then_stop(line: str) -> None:
+        if '"event": "round"' in line:  # the group has met and trained a round
+            listening.extend(listening_addresses(learner_pids(store_url)))
+            raise StopLearner
+
+    with pytest.raises(StopLearner):
+        run_learner(LearnerProcess(0, 2, 1), store_url, None, "r", inspect_then_stop)
+    assert len(listening) >= 3  # the rendezvous store and each rank's gloo listener
+    assert [(str(a), port) for a, port in listening if not is_loopback(a)] == []
+
+
+def test_the_relay_logs_lines_that_are_not_events_as_text(caplog):
+    """Bad input: a learner prints JSON that is no event object (`5`, `[1]`, a string); before, the
+    relay's `.get` on it raised AttributeError and took the learner down."""
+    relay = learner_relay(logging.getLogger("relay"), progress=None)  # no line here updates progress
+    lines = ["5", "[1]", '"x"', "null", '{"no": "event"}', "a warning"]
+    with caplog.at_level(logging.INFO, logger="relay"):
+        for line in lines:
+            relay(line)
+        relay('{"event": "done", "learner": 0}')
+    assert [r.getMessage() for r in caplog.records] == [*lines, "{'event': 'done', 'learner': 0}"]
+
+
+@pytest.fixture
+def final_round(two_learner_run):
+    """A one-round run of two learners, and each learner's final weights (distinct, model-shaped)."""
+    spec, store = two_learner_run("derived", layers=1, inner_steps=1, rounds=1)
+    base = flat_parameters(build_model(spec))
+    return spec, store, [base, base + 0.01]
+
+
+def test_consolidation_leaves_out_a_corrupt_final_checkpoint_and_names_it(final_round):
+    """Bad input: learner 1's final checkpoint was damaged on upload (its bytes no longer match the
+    recorded sha256); before, consolidation raised IntegrityError on every retry."""
+    spec, store, weights = final_round
+    store.commit_tensors(layout.checkpoint(0, 0), {"weights": weights[0]}, {})
+    store.corrupt_next_write()
+    store.commit_tensors(layout.checkpoint(1, 0), {"weights": weights[1]}, {})
+
+    consensus = consolidate(spec, store)
+
+    assert consensus["learners_with_corrupt_final_checkpoint"] == [1]
+    assert consensus["learners_without_final_checkpoint"] == [] and list(consensus["per_learner"]) == ["0"]
+    assert torch.equal(flat_parameters(load_model(spec, store, layout.CONSOLIDATED)[0]), weights[0])
+
+
+def test_a_consolidated_model_damaged_on_write_is_committed_again_under_a_new_key(final_round):
+    """Bad input: the store damages the consolidated model as it is written; before, consolidation
+    succeeded and every evaluation failed on it, and a rerun of consolidation met ObjectExists."""
+    spec, store, weights = final_round
+    for learner in (0, 1):
+        store.commit_tensors(layout.checkpoint(learner, 0), {"weights": weights[learner]}, {})
+    store.corrupt_next_write()
+
+    consolidate(spec, store)
+    consolidate(spec, store)  # a rerun of the stage finds the rewrite and adds nothing
+
+    with pytest.raises(IntegrityError, match="models/consolidated.safetensors"):
+        store.read_committed(layout.CONSOLIDATED)  # the damaged object is still there, never overwritten
+    expected = weighted_mean(weights, [slot.tokens_per_round() for slot in spec.learners])
+    assert torch.equal(flat_parameters(load_model(spec, store, layout.CONSOLIDATED)[0]), expected)
+    assert store.list("rewrites") == ["rewrites/1/models/consolidated.json",
+                                      "rewrites/1/models/consolidated.safetensors"]
+
+
+def test_a_baseline_damaged_on_write_is_committed_again_under_a_new_key(final_round):
+    """Bad input: the store damages the baseline model as it is written (one round: the final
+    model is the baseline's only write); before, every evaluation failed on it."""
+    spec, store, _ = final_round
+    store.corrupt_next_write()
+
+    result = train_baseline(spec, store)
+
+    with pytest.raises(IntegrityError, match="models/baseline.safetensors"):
+        store.read_committed(layout.BASELINE)
+    model, meta = load_model(spec, store, layout.BASELINE)
+    assert meta["tokens"] == result["tokens"] > 0 and meta["steps"] == result["steps"]
+    assert store.is_committed(layout.rewrite(layout.BASELINE, 1))
