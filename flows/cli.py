@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from infra import layout
+from infra.lease import LeaseHeld
 from infra.spec import RunSpec, SpecError, StoreSpec, check_windows_ahead, load_spec
 from infra.store import ObjectStore, StoreError, run_store
 
@@ -33,6 +34,9 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     _print_stages(state.state_details.flow_run_id)
     try:
         report = state.result()
+    except LeaseHeld as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except Exception as err:  # noqa: BLE001 - the user needs the way back in, whatever failed
         print(f"\nrun {run_id} failed: {type(err).__name__}: {err}\n"
               f"completed stages are kept; continue with: archipelago resume {run_id} --store {spec.store.url}",
@@ -98,7 +102,7 @@ def resume(args: argparse.Namespace) -> int:
     try:
         store = run_store(StoreSpec(url=args.store, endpoint_url=args.endpoint_url), args.run_id)
         spec = RunSpec.model_validate(store.get_json(layout.SPEC))
-    except StoreError as err:
+    except (StoreError, ValueError) as err:  # ValueError: pydantic's, for a bad --store/--endpoint-url
         print(f"error: cannot resume {args.run_id}: {err}", file=sys.stderr)
         return 2
     return _launch(spec, args.run_id, args.report)

@@ -15,9 +15,10 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from infra import layout
-from infra.results import result_storage
 from infra.spec import RunSpec, check_windows_ahead
 from infra.store import run_store
+from tasks.results import result_storage
+from tasks.setup import flow_run_run_id
 from tasks.training import train_learner
 
 
@@ -42,8 +43,7 @@ def archipelago(spec: RunSpec, run_id: str | None = None) -> dict:
     existing run to continue it."""
     from flows.lifecycle import run_lifecycle
 
-    # The flow run's name survives a retry, so a retried run continues the same run.
-    run_id = run_id or f"{spec.name}-{flow_run.get_name()}"
+    run_id = run_id or flow_run_run_id(spec, flow_run.get_id())
     if not run_store(spec.store, run_id).exists(layout.SPEC):
         check_windows_ahead(spec, datetime.now(timezone.utc))
     return run_lifecycle(spec, run_id, islands_via="deployments")

@@ -4,7 +4,9 @@ spec -> shards -> island training segments (every learner of every island, concu
 -> consolidation -> standard baseline -> evaluation -> report.
 
 Every stage persists its result in the run's store under a cache key made of its inputs, so a
-retried or resumed run re-executes only the stages that did not complete.
+retried or resumed run re-executes only the stages that did not complete. A lifecycle holds the
+run's lease while it runs, so a second lifecycle of the same run id (a resume of a run still
+going) is refused.
 """
 
 from __future__ import annotations
@@ -13,39 +15,45 @@ import time
 from typing import Literal
 from uuid import UUID
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.runtime import flow_run
 
-from infra.results import result_storage
+from infra.lease import held_lease, this_process
 from infra.spec import RunSpec
+from infra.store import run_store
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
+from tasks.results import RESULT_SERIALIZER, result_storage
 from tasks.segments import island_segments
 from tasks.setup import new_run_id, start_run
 from tasks.training import consolidate_learners, train_learner, train_standard
 
 
-@flow(name="lifecycle", persist_result=True)
+@flow(name="lifecycle", persist_result=True, result_serializer=RESULT_SERIALIZER)
 def lifecycle(spec: RunSpec, run_id: str | None = None,
               islands_via: Literal["tasks", "deployments"] = "tasks") -> dict:
     """`islands_via`: "tasks" runs every learner from this flow's own process; "deployments" runs
     each island's segments as runs of that island's deployment, on the island's own work pool."""
     started = time.monotonic()
-    run_id = start_run(spec, run_id or new_run_id(spec))
-    prepare_data(spec, run_id)
-    if islands_via == "deployments":
-        segments = [island_segments.submit(spec, run_id, island.name) for island in spec.islands]
-    else:
-        segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index) for slot in spec.learners]
-    for segment in segments:
-        segment.result()
-    consensus = consolidate_learners(spec, run_id)
-    baseline = train_standard(spec, run_id)
-    evals = evaluate_models(spec, run_id)
-    curve = evaluate_curve_points(spec, run_id)
-    report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
-    publish_figures(spec, run_id, report["communication"], curve)
+    run_id = run_id or new_run_id(spec)
+    with held_lease(run_store(spec.store, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
+                    warn=get_run_logger().warning):
+        start_run(spec, run_id)
+        prepare_data(spec, run_id)
+        if islands_via == "deployments":
+            segments = [island_segments.submit(spec, run_id, island.name) for island in spec.islands]
+        else:
+            segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index) for slot in spec.learners]
+        for segment in segments:
+            segment.result()
+        consensus = consolidate_learners(spec, run_id)
+        baseline = train_standard(spec, run_id)
+        evals = evaluate_models(spec, run_id)
+        curve = evaluate_curve_points(spec, run_id)
+        report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
+        publish_figures(spec, run_id, report["communication"], curve)
     return report
 
 

@@ -31,7 +31,7 @@ def evaluate_models(spec: RunSpec, run_id: str) -> dict:
     return results
 
 
-@stage("report")
+@stage("report", ignored_inputs=("wall_seconds",))
 def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, baseline: dict,
                    wall_seconds: float) -> dict:
     fail_once_if_asked(spec, run_id, "report")

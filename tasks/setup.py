@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from uuid import UUID
 
 from prefect import get_run_logger
 
@@ -14,7 +15,15 @@ from tasks.stage import stage
 
 
 def new_run_id(spec: RunSpec) -> str:
-    return f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    """A fresh run id: readable start time, and 64 random bits so that two runs never share one
+    (a shared id would hand the second run the first one's results)."""
+    return f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(8)}"
+
+
+def flow_run_run_id(spec: RunSpec, flow_run_id: UUID | str) -> str:
+    """The run id of a run started as a flow run (from the UI): the flow run's id, a random UUID
+    that a Retry of the flow run keeps, so the retried run continues the same run."""
+    return f"{spec.name}-{UUID(str(flow_run_id)).hex}"
 
 
 @stage("start-run")

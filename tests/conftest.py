@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -36,6 +37,17 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_prefect_server_left_at_exit():
+    """A flow run outside `prefect_api` makes Prefect start a temporary server of its own, stopped by
+    an atexit hook that logs to the stderr pytest has closed by then ("--- Logging error ---"):
+    stop it here, while pytest still captures output."""
+    yield
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        server.SubprocessASGIServer().stop()
 
 
 @pytest.fixture

@@ -126,7 +126,7 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
 
     deployment, done, segments, retried, tasks, artifacts = asyncio.run(scenario())
     assert done.state.is_completed(), done.state.message
-    run_id = f"ui-{done.name}"
+    run_id = f"ui-{done.id.hex}"
 
     # Each island's segment ran on that island's own work pool, once: the retry did not redo training.
     assert sorted((s.name, s.work_pool_name, s.state.name) for s in segments) == [

@@ -1,0 +1,186 @@
+"""A run's lease: at most one lifecycle drives a run id at a time.
+
+The store is write-once, so the lease is a chain of objects in the run's prefix, each created once:
+
+    lease/<term>/claim.json          who took the run: host, pid, flow run, since when, until when
+    lease/<term>/renewal-<n>.json    the holder's n-th renewal, with a later expiry
+    lease/<term>/released.json       the holder let go
+
+The newest term decides. It is live until released or past its newest expiry; then the next
+lifecycle takes the run by creating the claim of the next term. Two lifecycles racing for the same
+term both try to create the same claim object: the store creates an object at most once (local
+folders by an atomic hard link, S3 by a conditional PUT), so exactly one wins and the other is
+refused, naming the winner.
+
+Expiry is judged by the reader's clock against the holder's (both UTC), so hosts' clocks must
+agree to well within the lease's lifetime. A holder that stalls past its expiry may find its run
+taken over; its next renewal notices and it stops renewing (`LeaseLost`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+from infra.store import ObjectExists, ObjectStore, StoreError
+
+LEASE_TTL_S = 120.0
+RENEW_EVERY_S = 30.0
+
+_CLAIM = re.compile(r"^lease/(\d{6})/claim\.json$")
+_RENEWAL = re.compile(r"^lease/\d{6}/renewal-(\d{6})\.json$")
+
+
+def claim_key(term: int) -> str:
+    return f"lease/{term:06d}/claim.json"
+
+
+def renewal_key(term: int, renewal: int) -> str:
+    return f"lease/{term:06d}/renewal-{renewal:06d}.json"
+
+
+def released_key(term: int) -> str:
+    return f"lease/{term:06d}/released.json"
+
+
+class LeaseHeld(StoreError):
+    """Another lifecycle holds the run's lease; the message names it and when its lease expires."""
+
+
+class LeaseLost(StoreError):
+    """This lifecycle's lease expired and another lifecycle took the run."""
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+def _stamp(moment: datetime) -> str:
+    return moment.isoformat(timespec="milliseconds")
+
+
+def this_process(**details: str) -> dict[str, str]:
+    """A holder's description: this host and process, plus whatever names it further (a flow run)."""
+    return {**details, "host": socket.gethostname(), "pid": str(os.getpid())}
+
+
+@dataclass(frozen=True)
+class _Term:
+    term: int
+    claim: dict
+    expires_at: datetime
+    released: bool
+
+    def live(self, now: datetime) -> bool:
+        return not self.released and now < self.expires_at
+
+    def describe(self, run_id: str) -> str:
+        holder = ", ".join(f"{name} {value}" for name, value in self.claim["holder"].items())
+        return (f"run {run_id} is being driven by another lifecycle ({holder}) since {self.claim['claimed_at']}; "
+                f"its lease expires at {_stamp(self.expires_at)} unless renewed. If that lifecycle is gone, "
+                "resume after that time")
+
+
+def _read_term(store: ObjectStore, term: int) -> _Term:
+    keys = store.list(f"lease/{term:06d}")
+    claim = store.get_json(claim_key(term))
+    expires_at = datetime.fromisoformat(claim["expires_at"])
+    renewals = [int(m.group(1)) for m in map(_RENEWAL.match, keys) if m]
+    if renewals:
+        expires_at = max(expires_at, datetime.fromisoformat(
+            store.get_json(renewal_key(term, max(renewals)))["expires_at"]))
+    return _Term(term, claim, expires_at, released_key(term) in keys)
+
+
+def _newest_term(store: ObjectStore) -> _Term | None:
+    terms = [int(m.group(1)) for m in map(_CLAIM.match, store.list("lease")) if m]
+    return _read_term(store, max(terms)) if terms else None
+
+
+class RunLease:
+    """The lease one lifecycle holds on a run: acquire it, renew it, release it."""
+
+    def __init__(self, store: ObjectStore, run_id: str, term: int, ttl_s: float, expires_at: datetime):
+        self.store, self.run_id, self.term, self.ttl_s = store, run_id, term, ttl_s
+        self.expires_at = expires_at
+        self.renewals = 0
+
+    @classmethod
+    def acquire(cls, store: ObjectStore, run_id: str, holder: dict[str, str],
+                ttl_s: float = LEASE_TTL_S) -> "RunLease":
+        """Take the run's lease, or raise `LeaseHeld` naming the lifecycle that holds it.
+
+        `store` is the run's own prefix."""
+        now = _now()
+        newest = _newest_term(store)
+        if newest is not None and newest.live(now):
+            raise LeaseHeld(newest.describe(run_id))
+        term = 0 if newest is None else newest.term + 1
+        expires_at = now + timedelta(seconds=ttl_s)
+        try:
+            store.put_json(claim_key(term), {"holder": holder, "claimed_at": _stamp(now),
+                                             "expires_at": _stamp(expires_at), "nonce": uuid.uuid4().hex})
+        except ObjectExists:
+            raise LeaseHeld(_read_term(store, term).describe(run_id)) from None
+        return cls(store, run_id, term, ttl_s, expires_at)
+
+    def renew(self) -> None:
+        """Push the expiry out by the lease's lifetime, as a new object; `LeaseLost` if the run was taken."""
+        if self.store.exists(claim_key(self.term + 1)):
+            taker = _read_term(self.store, self.term + 1).claim
+            raise LeaseLost(f"run {self.run_id}: this lifecycle's lease (term {self.term}) expired at "
+                            f"{_stamp(self.expires_at)} and was taken by {taker['holder']} at {taker['claimed_at']}")
+        expires_at = _now() + timedelta(seconds=self.ttl_s)
+        self.store.put_json(renewal_key(self.term, self.renewals + 1), {"expires_at": _stamp(expires_at)})
+        self.renewals += 1
+        self.expires_at = expires_at
+
+    def release(self) -> None:
+        self.store.put_json(released_key(self.term), {"released_at": _stamp(_now())})
+
+
+@contextmanager
+def held_lease(store: ObjectStore, run_id: str, holder: dict[str, str], warn=logging.getLogger(__name__).warning,
+               ttl_s: float = LEASE_TTL_S, renew_every_s: float = RENEW_EVERY_S):
+    """Hold the run's lease for the body, renewed by a background thread, released at the end.
+
+    A body that completes after the lease was lost raises `LeaseLost`: another lifecycle drove the
+    run meanwhile. `warn` receives renewal problems as they happen."""
+    lease = RunLease.acquire(store, run_id, holder, ttl_s)
+    stop = threading.Event()
+    lost: list[LeaseLost] = []
+
+    def keep_renewed() -> None:
+        while not stop.wait(renew_every_s):
+            try:
+                lease.renew()
+            except LeaseLost as err:
+                warn("%s; stopped renewing", err)
+                lost.append(err)
+                return
+            except StoreError as err:  # a store outage: try again until the lease would expire
+                warn("run %s: renewing its lease failed (%s); it expires at %s unless a renewal succeeds",
+                     run_id, err, _stamp(lease.expires_at))
+
+    renewer = threading.Thread(target=keep_renewed, name=f"lease-{run_id}", daemon=True)
+    renewer.start()
+    try:
+        yield lease
+    finally:
+        stop.set()
+        renewer.join()
+        if not lost:
+            try:
+                lease.release()
+            except StoreError as err:
+                warn("run %s: releasing its lease failed (%s); it expires at %s", run_id, err,
+                     _stamp(lease.expires_at))
+    if lost:
+        raise lost[0]
