@@ -11,9 +11,19 @@ from infra import layout
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from training.data import prepare_dataset
+from training.data import DATA_ROOT_ENV, prepare_dataset
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def data_root(tmp_path_factory):
+    """`files` corpora may read only under the data root: here this session's temporary folders, where tests
+    write their corpora (not all of /tmp, so that the rule still refuses something)."""
+    root = tmp_path_factory.getbasetemp()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(DATA_ROOT_ENV, str(root))
+        yield root
 
 
 @pytest.fixture(scope="session")
