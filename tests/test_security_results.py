@@ -195,10 +195,15 @@ def test_a_second_lifecycle_is_refused_while_the_run_is_held_and_accepted_once_t
     holder.release()
 
 
-def test_concurrent_claims_of_a_free_run_have_exactly_one_winner(tmp_path):
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_concurrent_claims_of_a_free_run_have_exactly_one_winner(where, request, tmp_path):
     """Eight lifecycles take the same free run at the same instant: the claim object is created at
-    most once, so one holds the lease and the other seven are refused, each naming the winner."""
-    store = ObjectStore(str(tmp_path)).child("runs/race")
+    most once (a hard link, or an S3 PUT with If-None-Match), so one holds the lease and the other
+    seven are refused, each naming the winner."""
+    if where == "s3":
+        request.getfixturevalue("s3_env")
+    root = f"s3://archipelago/race-{uuid.uuid4().hex[:8]}" if where == "s3" else str(tmp_path)
+    store = ObjectStore(root).child("runs/race")
     start = threading.Barrier(8)
     outcomes = []
 
