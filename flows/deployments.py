@@ -17,12 +17,12 @@ from prefect.runtime import flow_run
 from infra import layout
 from infra.spec import RunSpec, check_windows_ahead
 from infra.store import run_store
-from tasks.results import result_storage
+from tasks.results import RESULT_SERIALIZER, result_storage
 from tasks.setup import flow_run_run_id
 from tasks.training import train_learner
 
 
-@flow(name="segment", persist_result=False)
+@flow(name="segment", persist_result=False, result_serializer=RESULT_SERIALIZER)
 def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = None) -> dict:
     """The island's learners, each its own OS process, until they finish or the capacity window ends.
 
@@ -36,7 +36,7 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
     return {"island": island, "finished": all(r["finished"] for r in results), "learners": results}
 
 
-@flow(name="archipelago")
+@flow(name="archipelago", persist_result=False, result_serializer=RESULT_SERIALIZER)
 def archipelago(spec: RunSpec, run_id: str | None = None) -> dict:
     """One Archipelago run: data, island segments on the islands' work pools, consolidation,
     standard baseline, evaluation and report. Leave `run_id` empty for a new run; name an
