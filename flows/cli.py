@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
 from infra import layout
 from infra.lease import LeaseHeld
-from infra.spec import RunSpec, SpecError, StoreSpec, check_windows_ahead, load_spec
+from infra.spec import RunSpec, SpecError, StoreSpec, check_windows_ahead, load_spec, parse_spec
 from infra.store import ObjectStore, StoreError, run_store
 
 # Ephemeral Prefect: no telemetry off the machine, and room for a slow first start (database migrations).
@@ -108,6 +109,45 @@ def resume(args: argparse.Namespace) -> int:
     return _launch(spec, args.run_id, args.report)
 
 
+def prepare(args: argparse.Namespace) -> int:
+    """Only the data preparation of a run spec, into the store under a fresh `prepare-` run id: to see
+    the splits (and their near-duplicate groups) before spending compute on training."""
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
+        return 2
+    raw = spec.model_dump(mode="json")
+    if args.seed is not None:
+        raw["seed"] = args.seed
+    if args.store is not None:
+        raw["store"]["url"] = args.store
+    try:
+        spec = parse_spec(raw)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from training.data import prepare_dataset
+
+    run_id = f"prepare-{spec.name}-{secrets.token_hex(8)}"
+    try:
+        store = run_store(spec.store, run_id)
+        store.check_reachable()
+        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+        manifest = prepare_dataset(spec, store)
+    except (StoreError, ValueError, OSError, RuntimeError) as err:
+        print(f"error: data preparation failed: {type(err).__name__}: {err}", file=sys.stderr)
+        return 2
+    print(f"run {run_id}: data split with split_seed {spec.data.split_seed} (seed {spec.seed})")
+    for name, corpus in manifest["corpora"].items():
+        validation = manifest["validation"].get(name, {"documents": 0, "bytes": 0})
+        heldout = manifest["heldout"][name]
+        print(f"  {name}: {corpus['documents']} documents; train {corpus['train_documents']} ({corpus['train_bytes']:,} "
+              f"bytes), validation {validation['documents']} ({validation['bytes']:,} bytes), held-out "
+              f"{heldout['documents']} ({heldout['bytes']:,} bytes); near-duplicates: "
+              f"{corpus['near_duplicate_documents']} documents merged into {corpus['near_duplicate_groups']} groups")
+    print(f"manifest: {store.address(layout.DATA_MANIFEST)}")
+    return 0
+
+
 def serve(args: argparse.Namespace) -> int:
     """A local Prefect server, a process work pool and worker per island, and the deployments."""
     spec = load_spec_or_say_why(args.config)
@@ -132,6 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     resume_parser.add_argument("--endpoint-url", default=None, help="S3 endpoint, if not $AWS_ENDPOINT_URL")
     resume_parser.add_argument("--report", help="write the report JSON here")
     resume_parser.set_defaults(handler=resume)
+    prepare_parser = commands.add_parser(
+        "prepare", help="only split and shard a run spec's data into the store, and summarise the splits")
+    prepare_parser.add_argument("config", help="run spec YAML")
+    prepare_parser.add_argument("--seed", type=int, default=None, help="the run's seed, instead of the spec's")
+    prepare_parser.add_argument("--store", default=None, help="store root, instead of the spec's store.url")
+    prepare_parser.set_defaults(handler=prepare)
     serve_parser = commands.add_parser(
         "serve", help="start a Prefect server, one worker per island's work pool, and the deployments")
     serve_parser.add_argument("config", nargs="?", default="configs/demo.yaml",

@@ -170,6 +170,10 @@ class DataSpec(SpecModel):
     corpora: list[CorpusSpec] = Field(
         min_length=1,
         description="Training corpora; each also yields one held-out evaluation of whole documents.")
+    split_seed: int = Field(
+        0, ge=0, lt=SEED_LIMIT,
+        description="Seed that alone decides which documents are held out, validation or training (and the "
+                    "max_documents subsample), so runs that differ in `seed` evaluate on the same documents.")
 
     @model_validator(mode="after")
     def _unique_names(self) -> "DataSpec":
@@ -340,7 +344,7 @@ class EvalSpec(SpecModel):
 
 class RunSpec(SpecModel):
     name: str = Field("archipelago", pattern=r"^[a-z0-9][a-z0-9-]{0,47}$", description="Run name; prefixes the run id.")
-    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="Seed for data split, sampling and initialisation.")
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="Seed for initialisation and sampling (data.split_seed decides the split).")
     islands: list[IslandSpec] = Field(min_length=1, description="Compute islands taking part in the run.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The byte-level decoder-only transformer.")
     data: DataSpec = Field(description="Training corpora and held-out evaluations.")

@@ -9,12 +9,20 @@ def docs(n):
     return [Document(f"doc-{i}", "x" * (100 + 37 * i)) for i in range(n)]
 
 
+def singletons(documents):
+    return [[d] for d in documents]
+
+
+def ids(groups):
+    return {d.id for group in groups for d in group}
+
+
 def test_split_is_by_whole_document_and_capped():
-    corpus = docs(50)
+    corpus = singletons(docs(50))
     train, held = split_documents(corpus, eval_fraction=0.2, max_eval_bytes=5000, seed=3)
-    assert {d.id for d in train}.isdisjoint({d.id for d in held})
-    assert {d.id for d in train} | {d.id for d in held} == {d.id for d in corpus}
-    assert 0 < sum(d.nbytes for d in held) <= 5000 and len(held) > 1
+    assert ids(train).isdisjoint(ids(held))
+    assert ids(train) | ids(held) == ids(corpus)
+    assert 0 < sum(d.nbytes for group in held for d in group) <= 5000 and len(held) > 1
     assert split_documents(corpus, 0.2, 5000, seed=3) == (train, held)
 
 
@@ -43,10 +51,10 @@ def test_encoding_counts_text_bytes_only():
 
 
 def test_validation_is_carved_from_training_by_whole_document_and_leaves_the_evaluation_alone():
-    corpus = docs(80)
+    corpus = singletons(docs(80))
     train, held = split_documents(corpus, eval_fraction=0.1, max_eval_bytes=5000, seed=3)
     still_training, validation = split_validation(train, fraction=0.1, max_bytes=4000, seed=3)
-    sides = [{d.id for d in side} for side in (still_training, validation, held)]
-    assert all(sides) and sum(map(len, sides)) == len(corpus) and set.union(*sides) == {d.id for d in corpus}
-    assert 0 < sum(d.nbytes for d in validation) <= 4000
+    sides = [ids(side) for side in (still_training, validation, held)]
+    assert all(sides) and sum(map(len, sides)) == len(corpus) and set.union(*sides) == ids(corpus)
+    assert 0 < sum(d.nbytes for group in validation for d in group) <= 4000
     assert split_validation(train, 0.0, 4000, seed=3) == (train, [])
