@@ -41,6 +41,15 @@ def s3_env(s3_server, monkeypatch):
     return s3_server
 
 
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """The same store tests against a local folder and against SeaweedFS."""
+    if request.param == "local":
+        return ObjectStore(str(tmp_path / "store"))
+    request.getfixturevalue("s3_env")
+    return ObjectStore(f"s3://archipelago/{request.module.__name__.rsplit('.', 1)[-1]}/{tmp_path.name}")
+
+
 @pytest.fixture(scope="session")
 def prefect_api():
     from prefect.testing.utilities import prefect_test_harness

@@ -6,7 +6,6 @@ its own (objects are write-once, so the planted one is what every reader finds).
 """
 
 import math
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ from infra.store import ObjectStore
 from training.compression import Codec
 from training.data import read_stream
 from training.learner import Learner, LearnerDiverged, flat_parameters, load_flat_parameters
+
+from tests.test_streaming import run_both
 
 
 @pytest.fixture
@@ -162,11 +163,7 @@ def test_a_commit_pointing_outside_its_message_is_never_read(run):
 
 def train_pair(spec, store) -> list[Learner]:
     learners = [Learner(spec, store, i) for i in range(2)]
-    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_both(learners)
     return learners
 
 

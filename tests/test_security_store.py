@@ -43,14 +43,6 @@ def test_store_urls_are_normalised(tmp_path, monkeypatch):
     assert ObjectStore("rel/store").url == str(tmp_path / "rel" / "store")
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return ObjectStore(str(tmp_path / "store"))
-    request.getfixturevalue("s3_env")
-    return ObjectStore(f"s3://archipelago/security-tests/{tmp_path.name}")
-
-
 def race(writers, key: str, payloads: list[bytes]) -> list[BaseException | None]:
     """Each writer puts its payload under `key`, all released at the same instant."""
     barrier = threading.Barrier(len(writers))

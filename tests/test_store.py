@@ -8,14 +8,6 @@ import torch
 from infra.store import IntegrityError, ObjectExists, ObjectMissing, ObjectStore, StoreError
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    if request.param == "local":
-        return ObjectStore(str(tmp_path / "store"))
-    request.getfixturevalue("s3_env")
-    return ObjectStore(f"s3://archipelago/store-tests/{tmp_path.name}")
-
-
 def test_objects_are_written_once(store):
     store.put_bytes("a/b.bin", b"first")
     with pytest.raises(ObjectExists):
