@@ -19,6 +19,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -254,11 +255,15 @@ class ObjectStore:
         return sorted(p.split(root, 1)[1] if root in p else p for p in found
                       if not Path(p).name.startswith("."))
 
-    def wait_for(self, key: str, timeout_s: float, poll_s: float = 0.05) -> bool:
+    def wait_for(self, key: str, timeout_s: float, poll_s: float = 0.05,
+                 give_up: Callable[[], bool] = lambda: False) -> bool:
+        """Whether `key` exists within `timeout_s`; stop early once `give_up()` says it never will."""
         deadline = time.monotonic() + timeout_s
         while True:
             if self.exists(key):
                 return True
+            if give_up():
+                return self.exists(key)  # it may have landed just before the reason to give up
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)

@@ -96,13 +96,13 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
         tokens += total
         if step in snapshots and step != steps - 1:
             commit_derived(store, layout.baseline_snapshot(step), {"weights": flat_parameters(model)},
-                                 {"tokens": tokens, "step": step})
+                           {"tokens": tokens, "step": step})
         if step % 25 == 0 or step == steps - 1:
             elapsed = time.monotonic() - started
             progress({"step": step + 1, "steps": steps, "loss": round(loss_sum, 4),
                       "tokens_per_s": round(tokens / elapsed), "eta_s": round(elapsed / (step + 1) * (steps - step - 1), 1)})
     weights = flat_parameters(model)
     commit_derived(store, layout.BASELINE, {"weights": weights},
-                         {"tokens": tokens, "steps": steps, "global_batch": global_batch,
-                          "seconds": time.monotonic() - started})
+                   {"tokens": tokens, "steps": steps, "global_batch": global_batch,
+                    "seconds": time.monotonic() - started})
     return {"tokens": tokens, "steps": steps, "global_batch": global_batch}

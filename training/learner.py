@@ -43,6 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timedelta, timezone
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -282,21 +283,6 @@ class Learner:
     def _skipped_by(self, peer: int, round_index: int) -> bool:
         return any(round_index in life["skipped_rounds"] for life in self._lives(peer))
 
-    def _await_message(self, peer: int, round_index: int, key: str, timeout_s: float) -> str | None:
-        """None once the peer's message is committed; otherwise why it will not be mixed: the
-        deadline passed, or the peer recorded a restart that skips the round."""
-        deadline, poll_s = time.monotonic() + timeout_s, 0.05
-        while True:
-            if self.store.exists(f"{key}.json"):
-                return None
-            if self._skipped_by(peer, round_index):
-                # A dead life may have sent it before it died: then it is there to mix.
-                return None if self.store.exists(f"{key}.json") else "skipped by the peer's restart"
-            if time.monotonic() >= deadline:
-                return "deadline"
-            time.sleep(min(poll_s, max(0.0, deadline - time.monotonic())))
-            poll_s = min(poll_s * 1.5, 1.0)
-
     def _own_traffic(self, own_rounds: list[int]) -> Traffic:
         """The counters of this learner's earlier lives, from its newest checkpoint that verifies."""
         for t in sorted(own_rounds, reverse=True):
@@ -513,9 +499,10 @@ class Learner:
         try:
             nbytes = self.transport.put_message(key, payload, meta, link)
         except ObjectExists:
+            expected = self._expected(self.slot.index, round_index)
             try:
-                sent, sent_meta, _ = self.transport.get_message(key, link, self._message_limit(fragment))
-                decoded = accept_message(sent, sent_meta, self._expected(self.slot.index, round_index), self.codec)
+                sent, sent_meta, _ = self.transport.get_message(key, link, expected.max_bytes)
+                decoded = accept_message(sent, sent_meta, expected, self.codec)
                 residual = self.feedback.residual_after(fields, index, decoded)
             except (IntegrityError, MalformedMessage, MessageRejected) as err:
                 # Someone else wrote our key first: peers refuse it as we do, so none of this
@@ -537,22 +524,17 @@ class Learner:
         """The tokens a learner's pseudo-gradient is weighed by: the spec's plan, never its message."""
         return self.spec.learners[learner].tokens_per_round()
 
-    def _message_limit(self, fragment: int) -> int:
-        """The most bytes a well-formed message of the fragment can have, read before it is checked."""
-        numel = int(self.fragments.indices[fragment].numel())
-        return 64 * 1024 + 8 * numel * len(self._message_fields)
-
     def _receive(self, peer: int, round_index: int) -> tuple[dict[str, torch.Tensor], dict] | None:
         key = self._message_key(peer, round_index)
         timeout = (self.spec.sync.partner_timeout_s if self.sync_deadline is None
                    else max(0.0, self.sync_deadline - time.monotonic()))
-        absent = self._await_message(peer, round_index, key, timeout)
-        if absent is not None:
-            return self._missed(peer, round_index, absent)
+        skipped = partial(self._skipped_by, peer, round_index)
+        if not self.store.wait_for(f"{key}.json", timeout, give_up=skipped):
+            return self._missed(peer, round_index, "skipped by the peer's restart" if skipped() else "deadline")
         link = self._link(peer)
         expected = self._expected(peer, round_index)
         try:
-            payload, meta, nbytes = self.transport.get_message(key, link, self._message_limit(expected.fragment))
+            payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes)
         except IntegrityError as err:
             self.traffic.corrupt_reads += 1
             return self._missed(peer, round_index, f"corrupt: {err}")

@@ -40,6 +40,11 @@ class ExpectedMessage:
     fields: tuple[str, ...]  # ("anchor", "delta") for butterfly pairs, ("delta",) for all-reduce
     anchor_from_initial: bool  # compressed anchors travel as their difference from the initial weights
 
+    @property
+    def max_bytes(self) -> int:
+        """The most bytes a well-formed message can have (fp32 fields and headers), before it is read."""
+        return 64 * 1024 + 8 * self.numel * len(self.fields)
+
     def metadata(self) -> dict:
         return {"learner": self.learner, "round": self.round, "fragment": self.fragment, "tokens": self.tokens,
                 "anchor_from_initial": self.anchor_from_initial}
