@@ -28,7 +28,7 @@ import torch.distributed as dist
 from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
-from training.baseline import BaselinePlan, accumulate_gradients, baseline_optimizer, shard_samplers
+from training.baseline import BaselinePlan, accumulate_gradients, baseline_lr, baseline_optimizer, shard_samplers
 from training.learner import build_model, flat_parameters, learning_rate, unflatten_into
 
 
@@ -67,7 +67,7 @@ def train(spec: RunSpec, store: ObjectStore, island: str, max_steps: int | None)
     for step in range(steps):
         t0 = time.monotonic()
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, plan.steps, spec.sync.inner_lr, spec.sync.warmup_steps)
+            group["lr"] = learning_rate(step, plan.steps, baseline_lr(spec), spec.sync.warmup_steps)
         optimizer.zero_grad(set_to_none=True)
         loss, total = accumulate_gradients(model, plan, samplers, step)
         t1 = time.monotonic()

@@ -1,30 +1,32 @@
-"""Quality at equal compute: standard training against the islands run, over seeds, with ablations.
+"""Quality at equal tokens: the islands against the strongest standard training, over 3 seeds.
 
-Every arm is defined in `ARMS` below. An arm trains one model (the islands run: learners as real
-OS processes exchanging through a local object store, then consolidation; or the standard
-baseline) on the same data and token count as its counterpart, scores it in bits per byte on both
-held-out evaluations and on the validation split, and writes `arms/<arm>.json` when it finishes.
-A rerun skips finished arms, so the benchmark resumes arm by arm. Progress (with ETA) goes to
-stdout and to `progress.log`; the table is rewritten after every arm, as `table.md` and
-`table.json`, from whatever arms have finished.
+The comparison, per family of islands runs (the brief's sparse MoE on two heterogeneous islands):
 
-    .venv/bin/python -m bench.quality                 # everything, main comparison first
-    .venv/bin/python -m bench.quality --arms islands-s0 standard-s0
-    .venv/bin/python -m bench.quality --table         # only rebuild the table
-    .venv/bin/python -m bench.quality --tune outer    # outer-optimizer settings, scored on validation only
-    .venv/bin/python -m bench.quality --tune moe --tune-seeds 0   # the MoE's round length, standard's lr
+- (a) standard training at the islands' global batch, its learning rate swept until the best is
+  interior;
+- (b) standard training at its own best global batch (x1/4, x1/2, x1, x2 of the islands'), each
+  batch with its best learning rate from its own sweep;
+- (c) one learner (M=1) with the family's inner optimizer, outer optimizer, round length and
+  schedule: what the outer optimizer gives without any distribution;
+- the islands run itself.
 
-Tuning ranks candidates by the validation split's bpb; the held-out evaluations are never used to
-choose settings. `--tune outer` runs shorter islands arms with candidate outer settings; `--tune moe`
-runs the sparse MoE with all-reduce at other round lengths, and standard training at other learning
-rates, at full length; the best of seed 0 then runs on seeds 1 and 2 (`--tune-seeds 1 2 --arms ...`).
+Every arm trains on the same documents and the same number of tokens, and is scored in bits per
+byte on the same held-out documents (`data.split_seed` fixes them, whatever the seed), with the
+bits kept per document for a paired bootstrap. Sweeps run on seed 0 and rank by the validation
+split only; the held-out sets never choose anything. Each arm writes `arms/<arm>.json` when it
+finishes, so a rerun resumes arm by arm; progress with an ETA goes to `progress.log`, and
+`table.md` / `table.json` / `tuning.md` are rebuilt after every arm from whatever has finished.
+
+    .venv/bin/python -m bench.quality            # everything, resuming
+    .venv/bin/python -m bench.quality --table    # only rebuild the tables
+    .venv/bin/python -m bench.quality --plan     # the arms still to run, without running them
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from eval.bootstrap import paired_bootstrap
 from eval.bpb import bits_per_byte
 from eval.evaluate import load_model
 from infra import layout
@@ -49,171 +52,172 @@ from training.learner import build_model
 
 RESULTS = Path("bench/results/quality")
 SEEDS = (0, 1, 2)
-ROUNDS = 60
+SWEEP_SEED = 0
+# Every learner of the east island trains this many inner steps over the run, whatever the round length.
+EAST_STEPS = 600
+ISLANDS_GLOBAL_BATCH = 48  # 2 x 8 (east) + 2 x 16 (west) rows
+BATCH_FACTORS = (0.25, 0.5, 1, 2)
+FIRST_LEARNING_RATES = (2.5e-3, 5e-3, 1e-2, 2e-2)  # (a)'s sweep; extended by factors of 2 past an edge
+MAX_SWEEP_POINTS = 7
 
-# The outer optimizer of the main islands arm, chosen on the validation split (`--tune outer`, 8 rounds,
-# seed 0; results in tuning.md): best of lr {1.0, 1.3} x momentum {0, 0.5, 0.8}.
+# The islands' outer optimizer, chosen earlier on the validation split among Nesterov and Shampoo
+# settings (lr {0.7, 1.0, 1.3} x momentum {0, 0.5, 0.8, 0.9}).
 SHAMPOO = {"name": "shampoo", "lr": 1.0, "momentum": 0.5, "shampoo": {"graft": "sgd"}}
+MOE = {"experts": 4, "top_k": 1, "balance_loss_weight": 0.01}
 
 
-def base_spec(seed: int, rounds: int = ROUNDS) -> dict:
-    """Two heterogeneous islands (batch size, inner steps per round), four learners, 0.5 M parameters.
+@dataclass(frozen=True)
+class Family:
+    """A kind of islands run: how the learners mix, and the east island's inner steps per round (the
+    west island runs half as many on twice the batch, so both push the same tokens per round)."""
 
-    Both islands push the same tokens per round (8 x 20 and 16 x 10 rows of 128 bytes), so neither
-    waits for the other; the token-weighted mix would also cover unequal rounds.
+    title: str
+    mode: str
+    east_steps: int
+
+    @property
+    def rounds(self) -> int:
+        return EAST_STEPS // self.east_steps
+
+
+FAMILIES = {
+    "butterfly": Family("sparse MoE, butterfly pairs, rounds of 20 / 10 inner steps", "butterfly", 20),
+    "allreduce-h6": Family("sparse MoE, all-reduce, rounds of 6 / 3 inner steps", "allreduce", 6),
+}
+
+
+def base_spec(seed: int, family: Family) -> dict:
+    """Two heterogeneous islands, four learners, a 4-expert top-1 MoE of 0.5 M active parameters.
+
+    The held-out sets are at least 500 KB each (the code set at least 50 files) and the validation
+    sets at least 200 KB; `prepare` prints what a split holds.
     """
     return {
         "name": "quality",
         "seed": seed,
         "islands": [
             {"name": "east", "accelerator": "GB300 (simulated on CPU)", "learners": 2, "batch_size": 8,
-             "seq_len": 128, "inner_steps": 20},
+             "seq_len": 128, "inner_steps": family.east_steps},
             {"name": "west", "accelerator": "B300 (simulated on CPU)", "learners": 2, "batch_size": 16,
-             "seq_len": 128, "inner_steps": 10},
+             "seq_len": 128, "inner_steps": family.east_steps // 2},
         ],
-        "model": {"layers": 2, "width": 128, "heads": 4},
+        "model": {"layers": 2, "width": 128, "heads": 4, "moe": MOE},
         "data": {"corpora": [
-            {"name": "prose", "source": "shakespeare", "eval_fraction": 0.1, "max_eval_bytes": 150_000,
-             "validation_fraction": 0.05, "max_validation_bytes": 100_000},
-            {"name": "code", "source": "python_stdlib", "max_documents": 800, "eval_fraction": 0.1,
-             "max_eval_bytes": 150_000, "validation_fraction": 0.05, "max_validation_bytes": 100_000},
+            {"name": "prose", "source": "shakespeare", "eval_fraction": 0.2, "max_eval_bytes": 650_000,
+             "validation_fraction": 0.1, "max_validation_bytes": 300_000},
+            {"name": "code", "source": "python_stdlib", "max_documents": 1200, "eval_fraction": 0.1,
+             "max_eval_bytes": 650_000, "validation_fraction": 0.05, "max_validation_bytes": 300_000},
         ]},
-        "sync": {"mode": "butterfly", "rounds": rounds, "inner_lr": 3e-3, "warmup_steps": 20, "outer": SHAMPOO},
+        "sync": {"mode": family.mode, "rounds": family.rounds, "inner_lr": 3e-3, "warmup_steps": 20,
+                 "outer": SHAMPOO},
         "store": {"url": str(RESULTS / "store")},
     }
 
 
 @dataclass(frozen=True)
 class Arm:
-    name: str
-    kind: str  # "islands" or "standard"
+    """One training run: `kind` is "standard", "single" (M=1) or "islands"."""
+
+    kind: str
     seed: int
-    group: str  # "main", "ablation" or "tuning"
-    changes: dict = field(default_factory=dict)  # deep-merged into base_spec(seed)
-    compare_to: str | None = None  # the standard arm an ablation is measured against
+    family: str = "butterfly"  # standard training depends only on the data and tokens, which families share
+    lr: float | None = None  # standard training's peak learning rate
+    batch: int | None = None  # standard training's global batch
+
+    @property
+    def name(self) -> str:
+        if self.kind == "standard":
+            return f"standard-b{self.batch}-lr{self.lr:g}-s{self.seed}"
+        return f"{self.kind}-{self.family}-s{self.seed}"
 
     def spec(self) -> RunSpec:
-        raw = base_spec(self.seed)
-        merge(raw, self.changes)
+        family = FAMILIES[self.family]
+        raw = base_spec(self.seed, family)
+        if self.kind == "standard":
+            raw["baseline"] = {"lr": self.lr, "global_batch": self.batch}
+        elif self.kind == "single":
+            # The islands' tokens per round on one learner, at the east island's round length.
+            rows_per_round = sum(i["learners"] * i["batch_size"] * i["inner_steps"] for i in raw["islands"])
+            raw["islands"] = [{"name": "solo", "accelerator": "one learner (simulated on CPU)", "learners": 1,
+                               "batch_size": rows_per_round // family.east_steps, "seq_len": 128,
+                               "inner_steps": family.east_steps}]
+            raw["sync"]["mode"] = "allreduce"
         return parse_spec(raw)
 
 
-def merge(into: dict, changes: dict) -> None:
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict) and key != "outer":
-            merge(into[key], value)
-        else:
-            into[key] = value
+# -- which arms to run, given what has finished ------------------------------------------------------
+
+def validation_score(result: dict) -> float:
+    """What the sweeps rank by: the mean of the validation bpb over the evaluations."""
+    return statistics.mean(result["validation_bpb"].values())
 
 
-def round_length(east_steps: int) -> dict:
-    """Changes giving the base run rounds of `east_steps` inner steps (west: half as many on twice the
-    batch), with the rounds derived so that every learner trains the base run's tokens."""
-    islands = base_spec(0)["islands"]
-    base_total = islands[0]["inner_steps"] * ROUNDS
-    if east_steps % 2 or base_total % east_steps:
-        raise ValueError(f"{east_steps} east inner steps: must be even and divide {base_total}")
-    for island, steps in zip(islands, (east_steps, east_steps // 2)):
-        island["inner_steps"] = steps
-    return {"islands": islands, "sync": {"rounds": base_total // east_steps}}
+def sweep(results: dict[str, dict], batch: int, start: tuple[float, ...]) -> tuple[list[Arm], float | None]:
+    """The learning-rate sweep of standard training at `batch` on seed 0: the arms still to run, and the
+    best learning rate once the best of the finished grid is interior (or the grid is at its limit)."""
+    grid = sorted(start)
+    while True:
+        arms = [Arm("standard", SWEEP_SEED, lr=lr, batch=batch) for lr in grid]
+        todo = [a for a in arms if a.name not in results]
+        if todo:
+            return todo, None
+        best = min(arms, key=lambda a: validation_score(results[a.name]))
+        if len(grid) >= MAX_SWEEP_POINTS or grid[0] < best.lr < grid[-1]:
+            return [], best.lr
+        grid = [grid[0] / 2, *grid] if best.lr == grid[0] else [*grid, grid[-1] * 2]
 
 
-MOE = {"model": {"moe": {"experts": 4, "top_k": 1, "balance_loss_weight": 0.01}}}
-# Arms run for every seed, named `<prefix>-s<seed>`: prefix -> (changes, the prefix it is measured against).
-MAIN_ARMS = {
-    "standard": ({}, None),
-    "islands": ({}, "standard"),
-    "standard-moe": (MOE, "standard"),
-    "islands-moe": (MOE, "standard-moe"),
-    "islands-moe-allreduce": ({**MOE, "sync": {"mode": "allreduce"}}, "standard-moe"),
-}
-TUNED_FAMILY = ("sparse MoE, all-reduce, rounds of 6 / 3 inner steps; "
-                "standard training at its best learning rate (5e-3)")
-# The main comparison: family -> (standard arm prefix, islands arm prefix). The sparse MoE is the
-# brief's model; its all-reduce arm was added after seed 0's validation bpb. The last family's arms
-# are the MoE tuning study's (`--tune moe`): the candidates that were best on the validation split.
-FAMILIES = {
-    "dense model, butterfly": ("standard", "islands"),
-    "sparse MoE, butterfly": ("standard-moe", "islands-moe"),
-    "sparse MoE, all-reduce": ("standard-moe", "islands-moe-allreduce"),
-    TUNED_FAMILY: ("tune-moe-standard-lr-5e-3", "tune-moe-allreduce-rounds-200"),
-}
-ARMS = [
-    *(Arm(f"{prefix}-s{seed}", prefix.split("-")[0], seed, "main", changes,
-          compare_to=against and f"{against}-s{seed}")
-      for seed in SEEDS for prefix, (changes, against) in MAIN_ARMS.items()),
-    # Ablations, seed 0, each changing one thing of islands-s0.
-    Arm("islands-nesterov-s0", "islands", 0, "ablation",
-        {"sync": {"outer": {**SHAMPOO, "name": "nesterov"}}}, compare_to="standard-s0"),
-    Arm("islands-diloco-s0", "islands", 0, "ablation",
-        {"sync": {"outer": {"name": "nesterov", "lr": 0.7, "momentum": 0.9}}}, compare_to="standard-s0"),
-    Arm("islands-allreduce-s0", "islands", 0, "ablation", {"sync": {"mode": "allreduce"}}, compare_to="standard-s0"),
-    # Whether shorter rounds (the MoE study's runner-up) also help butterfly pairs.
-    Arm("islands-rounds-120-s0", "islands", 0, "ablation",
-        round_length(10), compare_to="standard-s0"),
-    Arm("islands-moe-rounds-120-s0", "islands", 0, "ablation",
-        {**MOE, **round_length(10)}, compare_to="standard-moe-s0"),
-]
-ABLATION_NOTES = {
-    "islands-s0": "main islands arm, seed 0",
-    "islands-nesterov-s0": "Nesterov outer with the Shampoo arm's lr and momentum (no preconditioning)",
-    "islands-diloco-s0": "DiLoCo's outer Nesterov, lr 0.7, momentum 0.9",
-    "islands-allreduce-s0": "all-reduce of pseudo-gradients instead of butterfly pairs",
-    "islands-rounds-120-s0": "rounds of 10 / 5 inner steps instead of 20 / 10 (120 rounds, equal tokens)",
-    "islands-moe-rounds-120-s0": "sparse MoE, butterfly, rounds of 10 / 5 inner steps (120 rounds, equal tokens)",
-    "islands-moe-allreduce-s0": "sparse MoE with all-reduce of pseudo-gradients instead of butterfly pairs",
-    "standard-moe-s0": "standard training of the sparse MoE (4 experts, top-1) against the dense model: "
-                       "equal active parameters",
-    "islands-moe-s0": "sparse MoE feed-forward (4 experts, top-1), against standard training of the same MoE",
-}
+def nice(lr: float) -> float:
+    """Two significant figures, so arm names stay short and a rerun finds the same arms."""
+    return float(f"{lr:.2g}")
 
 
-def tuning_arms(rounds: int) -> list[Arm]:
-    """Candidate outer settings, seed 0, fewer rounds; ranked on the validation split only."""
-    candidates = {
-        "avg": {"name": "nesterov", "lr": 1.0, "momentum": 0.0},
-        "nesterov-1.0-0.5": {"name": "nesterov", "lr": 1.0, "momentum": 0.5},
-        "nesterov-0.7-0.9": {"name": "nesterov", "lr": 0.7, "momentum": 0.9},
-        "shampoo-sgd-1.0-0": {"name": "shampoo", "lr": 1.0, "momentum": 0.0, "shampoo": {"graft": "sgd"}},
-        "shampoo-sgd-1.0-0.5": {"name": "shampoo", "lr": 1.0, "momentum": 0.5, "shampoo": {"graft": "sgd"}},
-        "shampoo-sgd-1.3-0": {"name": "shampoo", "lr": 1.3, "momentum": 0.0, "shampoo": {"graft": "sgd"}},
-        "shampoo-sgd-1.3-0.5": {"name": "shampoo", "lr": 1.3, "momentum": 0.5, "shampoo": {"graft": "sgd"}},
-        "shampoo-sgd-1.0-0.8": {"name": "shampoo", "lr": 1.0, "momentum": 0.8, "shampoo": {"graft": "sgd"}},
-    }
-    arms = [Arm(f"tune-{rounds}r-standard", "standard", 0, "tuning", {"sync": {"rounds": rounds}})]
-    arms += [Arm(f"tune-{rounds}r-{name}", "islands", 0, "tuning", {"sync": {"rounds": rounds, "outer": outer}},
-                 compare_to=f"tune-{rounds}r-standard") for name, outer in candidates.items()]
-    return arms
+def batch_sweeps(results: dict[str, dict], lr_a: float) -> tuple[list[Arm], dict[int, float]]:
+    """(b)'s sweeps: each batch other than the islands' starts from (a)'s best learning rate scaled by
+    the square root of the batch ratio, one factor of 2 either side."""
+    todo, best = [], {ISLANDS_GLOBAL_BATCH: lr_a}
+    for factor in BATCH_FACTORS:
+        batch = int(ISLANDS_GLOBAL_BATCH * factor)
+        if batch == ISLANDS_GLOBAL_BATCH:
+            continue
+        centre = lr_a * math.sqrt(factor)
+        arms, lr = sweep(results, batch, tuple(nice(centre * k) for k in (0.5, 1, 2)))
+        todo += arms
+        if lr is not None:
+            best[batch] = lr
+    return todo, best
 
 
-def moe_tuning_arms(seeds: list[int]) -> list[Arm]:
-    """The sparse MoE with all-reduce at equal tokens, ranked on the validation split: the round
-    length (H, with the rounds changed by the inverse factor), and, so that standard training is
-    not held to a learning rate that suits only the islands, standard training's own learning rate."""
-    candidates = {
-        "rounds-30": round_length(40),
-        "rounds-120": round_length(10),
-        "rounds-200": round_length(6),
-    }
-    standard_learning_rates = {"lr-5e-3": 5e-3, "lr-8e-3": 8e-3}
-    arms = []
-    for seed in seeds:
-        arms += [Arm(f"tune-moe-standard-{name}-s{seed}", "standard", seed, "tuning",
-                     {**MOE, "sync": {"inner_lr": lr}}, compare_to=f"standard-moe-s{seed}")
-                 for name, lr in standard_learning_rates.items()]
-        for name, candidate in candidates.items():
-            changes = copy.deepcopy(MAIN_ARMS["islands-moe-allreduce"][0])
-            merge(changes, candidate)
-            arms.append(Arm(f"tune-moe-allreduce-{name}-s{seed}", "islands", seed, "tuning", changes,
-                            compare_to=f"standard-moe-s{seed}"))
-    return arms
+@dataclass
+class Plan:
+    """The arms still to run in order, and the settings the finished sweeps chose."""
+
+    todo: list[Arm] = field(default_factory=list)
+    lr_a: float | None = None
+    best_b: tuple[int, float] | None = None  # (global batch, learning rate)
 
 
-# The tuned family's two arms run with the main comparison, on every seed (into tuning/).
-ARMS += [arm for arm in moe_tuning_arms(list(SEEDS)) if arm.name.rsplit("-s", 1)[0] in FAMILIES[TUNED_FAMILY]]
+def plan(results: dict[str, dict]) -> Plan:
+    """The headline first: (a)'s sweep, then the islands and (a) on every seed, then (c), then (b)."""
+    out = Plan()
+    todo, out.lr_a = sweep(results, ISLANDS_GLOBAL_BATCH, FIRST_LEARNING_RATES)
+    if out.lr_a is None:
+        out.todo = todo
+        return out
+    out.todo += [Arm("islands", seed, family) for seed in SEEDS for family in FAMILIES]
+    out.todo += [Arm("standard", seed, lr=out.lr_a, batch=ISLANDS_GLOBAL_BATCH) for seed in SEEDS]
+    out.todo += [Arm("single", seed, family) for seed in SEEDS for family in FAMILIES]
+    todo, best = batch_sweeps(results, out.lr_a)
+    out.todo += todo
+    if not todo:
+        batch = min(best, key=lambda b: validation_score(results[Arm("standard", SWEEP_SEED, lr=best[b], batch=b).name]))
+        out.best_b = batch, best[batch]
+        out.todo += [Arm("standard", seed, lr=best[batch], batch=batch) for seed in SEEDS]
+    out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
+    return out
 
 
-# -- running an arm --------------------------------------------------------------------------------
+# -- running an arm ----------------------------------------------------------------------------------
 
 class Log:
     def __init__(self, path: Path):
@@ -249,7 +253,7 @@ def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> di
             event = json.loads(line)
         except ValueError:
             return
-        if event.get("event") == "round" and event["learner"] == 0 and event["round"] % 5 == 4:
+        if event.get("event") == "round" and event["learner"] == 0 and event["round"] % 10 == 9:
             log(f"  learner 0 round {event['round'] + 1}/{event['rounds']} loss {event['loss']:.3f} "
                 f"{event['tokens_per_s']:,} tok/s ETA {event['eta_s']:.0f} s")
         elif event.get("event") in ("missed_exchange", "fault", "resumed", "skipping_rounds"):
@@ -263,228 +267,220 @@ def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> di
 
 
 def score(spec: RunSpec, store, key: str) -> dict:
-    """bpb of a trained model on every held-out evaluation and on the validation split."""
+    """bpb of a trained model on every held-out evaluation (with its bits per document) and on the
+    validation split."""
     manifest = store.get_json(layout.DATA_MANIFEST)
     model, meta = load_model(spec, store, key)
-    out = {"tokens": meta["tokens"]}
+    out = {"tokens": meta["tokens"], "heldout": {}, "validation": {}}
     for split in ("heldout", "validation"):
-        out[split] = {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len,
-                                          spec.eval.batch_size)["bpb"] for name, entry in manifest[split].items()}
+        for name, entry in manifest[split].items():
+            out[split][name] = bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)
     return out
 
 
 def run_arm(arm: Arm, log: Log) -> dict:
     spec = arm.spec()
-    run_id = f"{arm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_id = f"{arm.name.replace('.', 'p')}-{time.strftime('%Y%m%d-%H%M%S')}"
     store = run_store(spec.store, run_id)
     store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-    prepare_dataset(spec, store)
+    manifest = prepare_dataset(spec, store)
     started = time.monotonic()
     extra = {}
-    if arm.kind == "islands":
+    if arm.kind == "standard":
+        extra["baseline"] = train_baseline(spec, store, lambda p: log(
+            f"  step {p['step']}/{p['steps']} loss {p['loss']:.3f} {p['tokens_per_s']:,} tok/s ETA {p['eta_s']:.0f} s")
+            if p["step"] % 200 == 1 else None)
+        key = layout.BASELINE
+    else:
         extra["consensus"] = train_islands(spec, run_id, log)
         key = layout.CONSOLIDATED
-    else:
-        train_baseline(spec, store, lambda p: log(f"  step {p['step']}/{p['steps']} loss {p['loss']:.3f} "
-                                                   f"{p['tokens_per_s']:,} tok/s ETA {p['eta_s']:.0f} s")
-                       if p["step"] % 100 == 1 else None)
-        key = layout.BASELINE
     train_seconds = time.monotonic() - started
     scores = score(spec, store, key)
-    result = {"arm": arm.name, "kind": arm.kind, "seed": arm.seed, "group": arm.group, "compare_to": arm.compare_to,
-              "bpb": scores["heldout"], "validation_bpb": scores["validation"], "tokens": scores["tokens"],
+    result = {"arm": arm.name, "kind": arm.kind, "seed": arm.seed, "family": arm.family if arm.kind != "standard" else None,
+              "lr": arm.lr, "global_batch": arm.batch, "tokens": scores["tokens"],
+              "bpb": {name: r["bpb"] for name, r in scores["heldout"].items()},
+              "validation_bpb": {name: r["bpb"] for name, r in scores["validation"].items()},
+              "heldout_documents": {name: {"ids": manifest["heldout"][name]["document_ids"],
+                                           "bits": r["document_bits"], "bytes": r["document_bytes"]}
+                                    for name, r in scores["heldout"].items()},
               "train_seconds": round(train_seconds, 1), "parameters": build_model(spec).parameter_counts(),
-              "sync": spec.sync.model_dump(mode="json"), "model": spec.model.model_dump(mode="json"), **extra}
+              "sync": spec.sync.model_dump(mode="json"), **extra}
     # Checkpoints of every round are gigabytes; the arm's figures are what the benchmark keeps.
     shutil.rmtree(Path(spec.store.url) / "runs" / run_id, ignore_errors=True)
     return result
 
 
-def arm_path(arm: Arm) -> Path:
-    return RESULTS / ("tuning" if arm.group == "tuning" else "arms") / f"{arm.name}.json"
+def arm_path(name: str) -> Path:
+    return RESULTS / "arms" / f"{name}.json"
 
 
-def run_arms(arms: list[Arm], log: Log) -> None:
-    todo = [a for a in arms if not arm_path(a).exists()]
-    log(f"{len(arms) - len(todo)} of {len(arms)} arms already finished; running {[a.name for a in todo]}")
+def load_results() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / "arms").glob("*.json"))}
+
+
+def run_all(log: Log) -> None:
     durations: list[float] = []
-    for n, arm in enumerate(todo):
+    while True:
+        results = load_results()
+        todo = plan(results).todo
+        if not todo:
+            return
+        arm = todo[0]
         started = time.monotonic()
-        log(f"arm {n + 1}/{len(todo)} {arm.name} started")
+        log(f"arm {arm.name} started ({len(results)} finished; {len(todo)} known still to run, sweeps may add more)")
         result = run_arm(arm, log)
-        arm_path(arm).parent.mkdir(parents=True, exist_ok=True)
-        arm_path(arm).write_text(json.dumps(result, indent=2))
+        arm_path(arm.name).parent.mkdir(parents=True, exist_ok=True)
+        arm_path(arm.name).write_text(json.dumps(result, indent=1))
         durations.append(time.monotonic() - started)
-        eta = statistics.mean(durations) * (len(todo) - n - 1)
+        eta = statistics.mean(durations) * (len(todo) - 1)
         log(f"arm {arm.name} done in {durations[-1]:.0f} s: bpb {fmt(result['bpb'])}, validation "
-            f"{fmt(result['validation_bpb'])}; ETA for the rest {eta / 60:.0f} min")
-        write_table(log)
+            f"{fmt(result['validation_bpb'])}; ETA for the known rest {eta / 60:.0f} min")
+        write_tables(log)
 
 
 def fmt(scores: dict) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
 
 
-# -- the table -------------------------------------------------------------------------------------
+# -- the tables ----------------------------------------------------------------------------------------
 
-def load_results(folder: str = "arms") -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / folder).glob("*.json"))}
+def spread(values: list[float]) -> list[float]:
+    """[mean, sd] (sd 0 for a single value)."""
+    return [statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0]
 
 
-def spread(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+def per_seed(results: dict[str, dict], arm_of) -> list[dict] | None:
+    """The arm's result for each seed, or None while any seed is missing."""
+    found = [results.get(arm_of(seed).name) for seed in SEEDS]
+    return found if all(found) else None
+
+
+def seeds_bootstrap(islands: list[dict], baseline: list[dict], evaluation: str) -> list[float]:
+    """95% interval of the mean-over-seeds relative difference: the documents (the same for every seed
+    and arm) are resampled, each document's bits summed over the seeds."""
+    def summed(runs: list[dict]) -> list[float]:
+        return [sum(bits) for bits in zip(*(r["heldout_documents"][evaluation]["bits"] for r in runs))]
+    for run in islands + baseline:
+        if run["heldout_documents"][evaluation]["ids"] != islands[0]["heldout_documents"][evaluation]["ids"]:
+            raise ValueError(f"{run['arm']} was scored on other {evaluation} documents than {islands[0]['arm']}")
+    difference = paired_bootstrap(summed(islands), summed(baseline), islands[0]["heldout_documents"][evaluation]["bytes"])
+    return [difference.low, difference.high]
 
 
 def build_table(results: dict[str, dict]) -> dict:
-    table = {"seeds": {}, "main": {}, "ablations": [], "parameters": {}}
-    for family, (standard, islands) in FAMILIES.items():
-        pairs = [(results[f"{standard}-s{s}"], results[f"{islands}-s{s}"]) for s in SEEDS
-                 if f"{standard}-s{s}" in results and f"{islands}-s{s}" in results]
-        if not pairs:
+    chosen = plan(results)
+    table = {"seeds": list(SEEDS), "islands_global_batch": ISLANDS_GLOBAL_BATCH,
+             "baseline_settings": {"a": {"global_batch": ISLANDS_GLOBAL_BATCH, "lr": chosen.lr_a},
+                                   "b": chosen.best_b and {"global_batch": chosen.best_b[0], "lr": chosen.best_b[1]}},
+             "families": {}, "still_to_run": [a.name for a in chosen.todo]}
+    baselines = {}
+    if chosen.lr_a is not None:
+        baselines["a"] = per_seed(results, lambda s: Arm("standard", s, lr=chosen.lr_a, batch=ISLANDS_GLOBAL_BATCH))
+    if chosen.best_b:
+        baselines["b"] = per_seed(results, lambda s: Arm("standard", s, lr=chosen.best_b[1], batch=chosen.best_b[0]))
+    for family_name, family in FAMILIES.items():
+        islands = per_seed(results, lambda s: Arm("islands", s, family_name))
+        single = per_seed(results, lambda s: Arm("single", s, family_name))
+        arms = {"a": baselines.get("a"), "b": baselines.get("b"), "c": single}
+        if islands is None:
             continue
-        table["seeds"][family] = [std["seed"] for std, _ in pairs]
-        table["main"][family] = {}
-        for name in pairs[0][0]["bpb"]:
-            std = [p[0]["bpb"][name] for p in pairs]
-            isl = [p[1]["bpb"][name] for p in pairs]
-            rel = [i / s - 1 for s, i in zip(std, isl)]
-            table["main"][family][name] = {"standard": spread(std), "islands": spread(isl), "relative": spread(rel),
-                                           "relative_of_means": spread(isl)[0] / spread(std)[0] - 1}
-    for name, result in results.items():
-        base = results.get(result.get("compare_to") or "")
-        if name in ABLATION_NOTES and base:
-            table["ablations"].append({"arm": name, "note": ABLATION_NOTES[name], "bpb": result["bpb"],
-                                       "baseline": base["arm"],
-                                       "relative": {k: v / base["bpb"][k] - 1 for k, v in result["bpb"].items()},
-                                       "max_weight_distance": result.get("consensus", {}).get("max_weight_distance")})
-        table["parameters"][json.dumps(result["model"].get("moe"))] = result["parameters"]
-    table["tokens"] = {name: r["tokens"] for name, r in results.items()}
+        rows = {}
+        for evaluation in islands[0]["bpb"]:
+            row = {"baselines": {k: [r["bpb"][evaluation] for r in v] if v else None for k, v in arms.items()},
+                   "islands": [r["bpb"][evaluation] for r in islands]}
+            for k, runs in arms.items():
+                if runs:
+                    row[f"relative_to_{k}"] = [i / b - 1 for i, b in zip(row["islands"], row["baselines"][k])]
+                    row[f"bootstrap_ci_to_{k}"] = seeds_bootstrap(islands, runs, evaluation)
+            rows[evaluation] = row
+        table["families"][family_name] = {"title": family.title, **rows}
     table["train_seconds"] = {name: r["train_seconds"] for name, r in results.items()}
+    table["tokens"] = sorted({r["tokens"] for r in results.values()})
     return table
 
 
-def table_markdown(table: dict) -> str:
-    evaluations = list(next(iter(table["main"].values()), {}))
-    lines = ["# Quality at equal compute", "",
-             "bits per byte on the held-out evaluations, mean ± standard deviation over seeds; relative = "
-             "islands / standard − 1 per seed (negative: islands better)."]
-    for family, rows in table["main"].items():
-        lines += ["", f"## {family} ({len(table['seeds'][family])} seeds: {table['seeds'][family]})", "",
-                  "| evaluation | standard | islands | relative (mean ± sd) | relative of means |",
-                  "|---|---|---|---|---|"]
-        for name, row in rows.items():
-            lines.append(f"| {name} | {row['standard'][0]:.4f} ± {row['standard'][1]:.4f} | "
-                         f"{row['islands'][0]:.4f} ± {row['islands'][1]:.4f} | "
-                         f"{100 * row['relative'][0]:+.2f}% ± {100 * row['relative'][1]:.2f} | "
-                         f"{100 * row['relative_of_means']:+.2f}% |")
-    lines += ["", "## Ablations (seed 0; each changes one thing and is measured against the arm in 'vs')", "",
-              "| arm | what changes | vs | " + " | ".join(f"{k} bpb (rel.)" for k in evaluations) +
-              " | max weight distance |", "|---|---|---|" + "---|" * len(evaluations) + "---|"]
-    for row in table["ablations"]:
-        cells = " | ".join(f"{row['bpb'][k]:.4f} ({100 * row['relative'][k]:+.2f}%)" for k in evaluations)
-        distance = "-" if row["max_weight_distance"] is None else f"{row['max_weight_distance']:.4f}"
-        lines.append(f"| {row['arm']} | {row['note']} | {row['baseline']} | {cells} | {distance} |")
-    lines += ["", "## Parameters (equal compute counts active parameters)", ""]
-    for moe, counts in table["parameters"].items():
-        lines.append(f"- moe {moe}: active {counts['active']:,}, total {counts['total']:,}")
-    lines += ["", "Training tokens per arm: " + ", ".join(f"{k} {v:,}" for k, v in table["tokens"].items()),
-              "", "Reproduce: `.venv/bin/python -m bench.quality` (resumes; `--table` rebuilds this file)."]
+def table_markdown(table: dict, results: dict[str, dict]) -> str:
+    settings = table["baseline_settings"]
+    b = settings["b"]
+    lines = ["# Quality at equal tokens", "",
+             "Bits per byte on the held-out documents, mean ± sd over seeds 0, 1, 2. Relative = islands / "
+             "baseline − 1 per seed, mean ± sd (negative: islands better); the interval is a paired bootstrap "
+             "over the held-out documents (10,000 resamples, bits summed over the seeds) of the mean's relative "
+             "difference. Every arm trains " + " / ".join(f"{t:,}" for t in table["tokens"]) + " tokens.", "",
+             f"- (a) standard training at the islands' global batch {ISLANDS_GLOBAL_BATCH}, learning rate "
+             f"{settings['a']['lr']} (best of its sweep on the validation split)",
+             f"- (b) standard training at its best global batch: " +
+             (f"{b['global_batch']}, learning rate {b['lr']}" if b else "sweep not finished"),
+             "- (c) one learner (M=1) with the family's inner and outer optimizer, round length and schedule"]
+    for family in table["families"].values():
+        lines += ["", f"## {family['title']}", "",
+                  "| evaluation | (a) | (b) | (c) | islands | islands vs (a) | 95% interval vs (a) | vs (b) | vs (c) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for evaluation, row in family.items():
+            if evaluation == "title":
+                continue
+            cells = [f"{m:.4f} ± {s:.4f}" if v else "-" for v in (*row["baselines"].values(), row["islands"])
+                     for m, s in [spread(v) if v else (0, 0)]]
+            relative = [f"{100 * spread(row[f'relative_to_{k}'])[0]:+.2f}% ± {100 * spread(row[f'relative_to_{k}'])[1]:.2f}"
+                        if f"relative_to_{k}" in row else "-" for k in "abc"]
+            ci = row.get("bootstrap_ci_to_a")
+            interval = f"[{100 * ci[0]:+.2f}%, {100 * ci[1]:+.2f}%]" if ci else "-"
+            lines.append(f"| {evaluation} | " + " | ".join(cells) + f" | {relative[0]} | {interval} | "
+                         f"{relative[1]} | {relative[2]} |")
+    documents = next(iter(results.values()), {}).get("heldout_documents", {})
+    if documents:
+        lines += ["", "Held-out sets: " + ", ".join(f"{name} {len(d['ids'])} documents, {sum(d['bytes']):,} bytes"
+                                                     for name, d in documents.items()) + "."]
+    if table["still_to_run"]:
+        lines += ["", f"Not finished yet: {', '.join(table['still_to_run'])}."]
+    lines += ["", "Tuning: `tuning.md`. Reproduce: `.venv/bin/python -m bench.quality` (resumes arm by arm; "
+                  "`--table` rebuilds this file)."]
     return "\n".join(lines) + "\n"
 
 
-def write_table(log: Log | None = None) -> None:
-    results, tuning = load_results(), load_results("tuning")
-    table = build_table({**tuning, **results})
-    (RESULTS / "table.json").write_text(json.dumps(table, indent=2))
-    (RESULTS / "table.md").write_text(table_markdown(table))
-    if tuning:
-        (RESULTS / "tuning.md").write_text(tuning_markdown(tuning, results))
+def tuning_markdown(results: dict[str, dict]) -> str:
+    """Every sweep point of standard training (seed 0), by global batch, best validation first."""
+    lines = ["# Standard training's sweeps (seed 0, ranked on the validation split only)", ""]
+    sweeps: dict[int, list[dict]] = {}
+    for r in results.values():
+        if r["kind"] == "standard" and r["seed"] == SWEEP_SEED:
+            sweeps.setdefault(r["global_batch"], []).append(r)
+    evaluations = list(next(iter(results.values()))["validation_bpb"]) if results else []
+    for batch, runs in sorted(sweeps.items()):
+        lines += [f"## global batch {batch}", "", "| learning rate | " +
+                  " | ".join(f"validation {k}" for k in evaluations) + " | mean |",
+                  "|---|" + "---|" * (len(evaluations) + 1)]
+        for r in sorted(runs, key=lambda r: r["lr"]):
+            lines.append(f"| {r['lr']:g} | " + " | ".join(f"{r['validation_bpb'][k]:.4f}" for k in evaluations)
+                         + f" | {validation_score(r):.4f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_tables(log: Log | None = None) -> None:
+    results = load_results()
+    table = build_table(results)
+    (RESULTS / "table.json").write_text(json.dumps(table, indent=1))
+    (RESULTS / "table.md").write_text(table_markdown(table, results))
+    (RESULTS / "tuning.md").write_text(tuning_markdown(results))
     if log:
-        log(f"table written: {RESULTS / 'table.md'}")
-
-
-def tuning_markdown(results: dict[str, dict], main: dict[str, dict]) -> str:
-    """The outer-optimizer tuning by length, best validation first (at full length the main seed-0
-    arms, whose setting the shorter runs chose, stand beside them); then the sparse MoE's candidates,
-    each against its standard arm on the validation split, per seed and on average."""
-    by_rounds: dict[int, dict[str, dict]] = {}
-    for name, r in results.items():
-        if not name.startswith("tune-moe-"):
-            by_rounds.setdefault(r["sync"]["rounds"], {})[name] = r
-    if ROUNDS in by_rounds:
-        by_rounds[ROUNDS].update({n: main[n] for n in ("standard-s0", "islands-s0") if n in main})
-    evaluations = list(next(iter(results.values()))["validation_bpb"])
-    lines = ["# Tuning on the validation split", "", "## Outer optimizer (dense model, butterfly, seed 0)"]
-    for rounds, group in sorted(by_rounds.items()):
-        lines += ["", f"### {rounds} rounds", "",
-                  "| arm | outer | " + " | ".join(f"validation {k}" for k in evaluations) + " |",
-                  "|---|---|" + "---|" * len(evaluations)]
-        for name, r in sorted(group.items(), key=lambda item: sum(item[1]["validation_bpb"].values())):
-            outer = "standard training" if r["kind"] == "standard" else json.dumps(r["sync"]["outer"])
-            lines.append(f"| {name} | {outer} | " + " | ".join(f"{v:.4f}" for v in r["validation_bpb"].values()) + " |")
-    return "\n".join(lines + moe_tuning_lines(results, main, evaluations)) + "\n"
-
-
-def moe_tuning_lines(results: dict[str, dict], main: dict[str, dict], evaluations: list[str]) -> list[str]:
-    everything = {**main, **results}
-    candidates: dict[str, dict[int, dict]] = {}
-    for seed in SEEDS:
-        if f"islands-moe-allreduce-s{seed}" in main:
-            candidates.setdefault("chosen before (outer lr 1.0, momentum 0.5, 60 rounds)", {})[seed] = \
-                main[f"islands-moe-allreduce-s{seed}"]
-    for name, r in results.items():
-        if name.startswith("tune-moe-allreduce-"):
-            candidates.setdefault(name.removeprefix("tune-moe-allreduce-").rsplit("-s", 1)[0], {})[r["seed"]] = r
-        elif name.startswith("tune-moe-standard-"):
-            candidates.setdefault(f"standard training, {name.removeprefix('tune-moe-standard-').rsplit('-s', 1)[0]}",
-                                  {})[r["seed"]] = r
-    if not candidates:
-        return []
-    lines = ["", "## Sparse MoE, all-reduce: candidates against their standard arm (equal tokens)", "",
-             "validation bpb relative to the standard arm (negative: better); the standard-training rows are "
-             "measured against standard training at the base inner learning rate.", "",
-             "| candidate | seeds | " + " | ".join(f"validation {k} (mean rel.)" for k in evaluations) + " | per seed |",
-             "|---|---|" + "---|" * len(evaluations) + "---|"]
-    rows = []
-    for candidate, by_seed in candidates.items():
-        relative = {seed: {k: r["validation_bpb"][k] / everything[r["compare_to"]]["validation_bpb"][k] - 1
-                           for k in evaluations}
-                    for seed, r in sorted(by_seed.items()) if r["compare_to"] in everything}
-        if not relative:
-            continue
-        means = {k: statistics.mean(rel[k] for rel in relative.values()) for k in evaluations}
-        per_seed = "; ".join(f"s{seed}: " + ", ".join(f"{100 * rel[k]:+.2f}%" for k in evaluations)
-                             for seed, rel in relative.items())
-        rows.append((sum(means.values()), f"| {candidate} | {list(relative)} | "
-                     + " | ".join(f"{100 * means[k]:+.2f}%" for k in evaluations) + f" | {per_seed} |"))
-    return lines + [row for _, row in sorted(rows)]
+        log(f"tables written: {RESULTS / 'table.md'}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arms", nargs="*", help="run only these arms (default: all, main comparison first)")
-    parser.add_argument("--table", action="store_true", help="only rebuild the table from finished arms")
-    parser.add_argument("--tune", choices=["outer", "moe"],
-                        help="run tuning arms instead (ranked on the validation split only): the dense model's "
-                             "outer optimizer, or the sparse MoE with all-reduce")
-    parser.add_argument("--tune-rounds", type=int, default=8, help="rounds of the outer-optimizer tuning arms")
-    parser.add_argument("--tune-seeds", type=int, nargs="+", default=[0], help="seeds of the MoE tuning arms")
+    parser.add_argument("--table", action="store_true", help="only rebuild the tables from finished arms")
+    parser.add_argument("--plan", action="store_true", help="list the arms still to run and stop")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     log = Log(RESULTS / "progress.log")
-    if args.table:
-        write_table(log)
+    if args.plan:
+        for arm in plan(load_results()).todo:
+            print(arm.name)
         return 0
-    arms = {"outer": lambda: tuning_arms(args.tune_rounds), "moe": lambda: moe_tuning_arms(args.tune_seeds),
-            None: lambda: ARMS}[args.tune]()
-    if args.arms:
-        known = {a.name: a for a in arms}
-        unknown = [a for a in args.arms if a not in known]
-        if unknown:
-            parser.error(f"unknown arms {unknown}; known: {sorted(known)}")
-        arms = [known[a] for a in args.arms]
-    run_arms(arms, log)
-    write_table(log)
+    if not args.table:
+        run_all(log)
+    write_tables(log)
     return 0
 
 

@@ -4,6 +4,9 @@ Every byte of the held-out stream is scored. The stream is cut into consecutive 
 `seq_len`; each byte is predicted from the bytes before it in its window (so early bytes of a
 window see less context, the same for every model compared). Document separators are inputs,
 never scored targets: they are not bytes of the text.
+
+The bits are also summed per document (a stretch of the stream from one separator to the next), so
+that two models scored on the same stream can be compared by a paired bootstrap over documents.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ def bits_per_byte(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, ba
     stream = stream.long()
     n_targets = len(stream) - 1
     starts = list(range(0, n_targets, seq_len))
-    nll, scored = 0.0, 0
+    document_of = torch.cumsum(stream == BOS, 0) - 1  # documents start with a separator
+    documents = max(int(document_of[-1]) + 1, 1) if len(stream) else 1
+    document_nll = torch.zeros(documents, dtype=torch.float64)
+    document_bytes = torch.zeros(documents, dtype=torch.int64)
     full = [s for s in starts if s + seq_len <= n_targets]
     tail = [s for s in starts if s + seq_len > n_targets]
     for group, length in ((full, seq_len), (tail, n_targets - tail[0] if tail else 0)):
@@ -34,6 +40,9 @@ def bits_per_byte(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, ba
             targets = windows[:, 1:]
             losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
             counted = targets.reshape(-1) != BOS
-            nll += losses[counted].double().sum().item()
-            scored += int(counted.sum())
-    return {"bpb": nll / (math.log(2) * scored), "nll_nats": nll, "bytes": scored}
+            owner = document_of[chunk[:, None] + offsets[1:]].reshape(-1).clamp(min=0)[counted]
+            document_nll.index_add_(0, owner, losses[counted].double())
+            document_bytes.index_add_(0, owner, torch.ones_like(owner))
+    nll, scored = document_nll.sum().item(), int(document_bytes.sum())
+    return {"bpb": nll / (math.log(2) * scored), "nll_nats": nll, "bytes": scored,
+            "document_bits": (document_nll / math.log(2)).tolist(), "document_bytes": document_bytes.tolist()}

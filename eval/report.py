@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from eval.bootstrap import paired_bootstrap
 from infra.spec import CorruptObject, RunSpec
 
 FP32 = 4
@@ -74,10 +75,7 @@ def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summa
     return {
         "run_id": run_id,
         "sync_mode": spec.sync.mode,
-        "evals": {name: {"islands_bpb": arms["islands"]["bpb"], "baseline_bpb": arms["baseline"]["bpb"],
-                         "relative_difference": (arms["islands"]["bpb"] - arms["baseline"]["bpb"])
-                         / arms["baseline"]["bpb"], "bytes_scored": arms["islands"]["bytes"]}
-                  for name, arms in evals.items()},
+        "evals": {name: evaluation_entry(arms["islands"], arms["baseline"]) for name, arms in evals.items()},
         "compute": {"islands_tokens": islands_tokens, "baseline_tokens": baseline["tokens"],
                     "baseline_steps": baseline["steps"], "baseline_global_batch": baseline["global_batch"],
                     "parameters_total": parameters["total"], "parameters_active": parameters["active"]},
@@ -87,6 +85,15 @@ def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summa
         "seconds_blocked_on_link": sum(s.get("seconds_blocked", 0.0) for s in summaries),
         "wall_seconds": wall_seconds,
     }
+
+
+def evaluation_entry(islands: dict, baseline: dict) -> dict:
+    """Both arms' bpb on one held-out set, and the islands' relative difference with its 95% interval
+    from a paired bootstrap over the set's documents."""
+    difference = paired_bootstrap(islands["document_bits"], baseline["document_bits"], islands["document_bytes"])
+    return {"islands_bpb": islands["bpb"], "baseline_bpb": baseline["bpb"],
+            "relative_difference": difference.relative, "bootstrap_95": [difference.low, difference.high],
+            "documents": len(islands["document_bytes"]), "bytes_scored": islands["bytes"]}
 
 
 def settings_markdown(spec: RunSpec, report: dict) -> str:
@@ -123,9 +130,11 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
 
 
 def evaluation_table(report: dict) -> pd.DataFrame:
-    """One row per held-out evaluation: islands bpb, standard bpb, relative difference."""
-    return pd.DataFrame([{"evaluation": name, "bytes": e["bytes_scored"], "islands_bpb": e["islands_bpb"],
-                          "baseline_bpb": e["baseline_bpb"], "relative_difference": e["relative_difference"]}
+    """One row per held-out evaluation: islands bpb, standard bpb, relative difference and its interval."""
+    return pd.DataFrame([{"evaluation": name, "documents": e["documents"], "bytes": e["bytes_scored"],
+                          "islands_bpb": e["islands_bpb"], "baseline_bpb": e["baseline_bpb"],
+                          "relative_difference": e["relative_difference"],
+                          "95% interval": f"[{e['bootstrap_95'][0]:+.2%}, {e['bootstrap_95'][1]:+.2%}]"}
                          for name, e in report["evals"].items()])
 
 

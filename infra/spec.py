@@ -259,6 +259,16 @@ class SyncSpec(SpecModel):
                                      description="Fragments, overlap, compression and bandwidth of the exchanges.")
 
 
+class BaselineSpec(SpecModel):
+    """Standard training, the run's yardstick. Tuned on its own (see bench/quality.py): a baseline held
+    to the islands' learning rate and batch would flatter the islands."""
+
+    lr: float | None = Field(None, gt=0, description="Peak AdamW learning rate; defaults to sync.inner_lr.")
+    global_batch: int | None = Field(
+        None, ge=1, le=MAX_BATCH, description="Rows per step; defaults to the sum of the learners' batch sizes. "
+                                              "The token count stays the islands run's either way.")
+
+
 class StoreSpec(SpecModel):
     url: str = Field(".archipelago/store",
                      description="Object store root: a local folder, or s3://bucket/prefix. "
@@ -349,6 +359,7 @@ class RunSpec(SpecModel):
     model: ModelSpec = Field(default_factory=ModelSpec, description="The byte-level decoder-only transformer.")
     data: DataSpec = Field(description="Training corpora and held-out evaluations.")
     sync: SyncSpec = Field(description="How learners synchronise.")
+    baseline: BaselineSpec = Field(default_factory=BaselineSpec, description="Standard training it is measured against.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation settings.")
     faults: list[Fault] = Field(default_factory=list, description="Faults to inject, for tests and drills.")

@@ -38,3 +38,16 @@ def test_uniform_model_scores_log2_of_vocab():
     result = bits_per_byte(FixedModel(0, 1 / VOCAB), stream, seq_len=64)
     assert result["bytes"] == 999
     assert math.isclose(result["bpb"], math.log2(VOCAB), rel_tol=1e-6)
+
+
+def test_bits_are_summed_per_document_whatever_the_windows():
+    # Documents "aab" (two hits, one miss) and "ba" (one miss, one hit); windows cut across them.
+    stream = torch.tensor([BOS, 97, 97, 98, BOS, 98, 97])
+    p = 0.5
+    hit, miss = -math.log2(p), -math.log2((1 - p) / (VOCAB - 1))
+    for seq_len in (2, 3, 16):
+        result = bits_per_byte(FixedModel(97, p), stream, seq_len=seq_len, batch_size=2)
+        assert result["document_bytes"] == [3, 2]
+        assert all(math.isclose(got, want, rel_tol=1e-6)
+                   for got, want in zip(result["document_bits"], [2 * hit + miss, miss + hit]))
+        assert math.isclose(sum(result["document_bits"]), result["bpb"] * 5, rel_tol=1e-9)

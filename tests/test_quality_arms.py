@@ -1,40 +1,83 @@
-"""The quality benchmark's arm definitions: equal compute between every pair it compares (no training)."""
+"""The quality benchmark's plan: equal tokens between every arm, and sweeps that stop only at an interior
+best (no training: finished arms are stood in for by their validation scores)."""
 
-from bench.quality import ARMS, FAMILIES, SEEDS, moe_tuning_arms
+import pytest
+
+from bench.quality import (FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, SEEDS, Arm, plan)
 from training.learner import build_model
 
 
-def planned_tokens(arm) -> list[int]:
+def total_rows(arm) -> int:
     spec = arm.spec()
-    return [slot.tokens_per_round() * spec.sync.rounds for slot in spec.learners]
+    if arm.kind == "standard":
+        from training.baseline import BaselinePlan
+        baseline = BaselinePlan.of(spec)
+        return sum(baseline.planned_rows)
+    return sum(slot.rows_per_round * spec.sync.rounds for slot in spec.learners)
 
 
-def active_parameters(arm) -> int:
-    return build_model(arm.spec()).parameter_counts()["active"]
+def test_every_kind_of_arm_trains_the_same_tokens_with_the_same_active_model():
+    arms = [Arm("standard", 0, lr=5e-3, batch=b) for b in (12, 24, 48, 96)]
+    arms += [Arm(kind, seed, family) for kind in ("islands", "single") for family in FAMILIES for seed in SEEDS]
+    assert len({total_rows(arm) for arm in arms}) == 1
+    assert len({build_model(arm.spec()).parameter_counts()["active"] for arm in arms}) == 1
+    single = Arm("single", 0, "allreduce-h6").spec()
+    assert len(single.learners) == 1 and single.islands[0].inner_steps == FAMILIES["allreduce-h6"].east_steps
+    assert single.sync.rounds == Arm("islands", 0, "allreduce-h6").spec().sync.rounds
 
 
-def test_every_arm_trains_each_shard_for_the_tokens_of_the_arm_it_is_measured_against():
-    arms = {arm.name: arm for arm in [*ARMS, *moe_tuning_arms(list(SEEDS))]}
-    compared = [arm for arm in arms.values() if arm.compare_to]
-    assert len(compared) > 20
-    for arm in compared:
-        against = arms[arm.compare_to]
-        assert planned_tokens(arm) == planned_tokens(against), (arm.name, against.name)
-        assert arm.seed == against.seed, arm.name
+def finished(arms, score) -> dict:
+    return {a.name: {"kind": a.kind, "seed": a.seed, "lr": a.lr, "global_batch": a.batch,
+                     "validation_bpb": {"code": score(a), "prose": score(a)}} for a in arms}
 
 
-def test_the_round_length_candidates_change_rounds_and_inner_steps_inversely():
-    specs = {arm.name: arm.spec() for arm in moe_tuning_arms([0]) if arm.kind == "islands"}
-    shapes = {name: (spec.sync.rounds, [i.inner_steps for i in spec.islands]) for name, spec in specs.items()}
-    assert shapes["tune-moe-allreduce-rounds-30-s0"] == (30, [40, 20])
-    assert shapes["tune-moe-allreduce-rounds-120-s0"] == (120, [10, 5])
-    assert shapes["tune-moe-allreduce-rounds-200-s0"] == (200, [6, 3])
+def run_plan_to_the_end(score) -> tuple[dict, object]:
+    results = {}
+    for _ in range(200):
+        chosen = plan(results)
+        if not chosen.todo:
+            return results, chosen
+        results.update(finished(chosen.todo[:1], score))
+    raise AssertionError("the plan never ends")
 
 
-def test_every_family_pairs_arms_the_benchmark_runs_on_every_seed_with_the_same_active_model():
-    names = {arm.name: arm for arm in ARMS}
-    for standard, islands in FAMILIES.values():
-        for seed in SEEDS:
-            pair = names[f"{standard}-s{seed}"], names[f"{islands}-s{seed}"]
-            assert pair[0].kind == "standard" and pair[1].kind == "islands"
-            assert active_parameters(pair[0]) == active_parameters(pair[1])
+def test_the_sweep_extends_past_an_edge_until_the_best_learning_rate_is_interior():
+    best_lr = {12: 1e-3, 24: 5e-3, 48: 6e-2, 96: 1e-2}  # 48's optimum lies beyond the first grid
+
+    def score(arm):  # validation bpb: a parabola in log lr, lowest at the batch's best lr; batch 24 best
+        from math import log
+        return 2 + (log(arm.lr) - log(best_lr[arm.batch])) ** 2 + (0 if arm.batch == 24 else 0.5) \
+            if arm.kind == "standard" else 2.5
+
+    results, chosen = run_plan_to_the_end(score)
+    swept = sorted(r["lr"] for r in results.values() if r["global_batch"] == ISLANDS_GLOBAL_BATCH and r["seed"] == 0)
+    assert swept[:len(FIRST_LEARNING_RATES)] == sorted(FIRST_LEARNING_RATES)
+    assert swept[0] < chosen.lr_a < swept[-1] and chosen.lr_a == 8e-2
+    assert chosen.best_b[0] == 24
+    for seed in SEEDS:
+        for kind in ("islands", "single"):
+            for family in FAMILIES:
+                assert Arm(kind, seed, family).name in results
+        assert Arm("standard", seed, lr=chosen.lr_a, batch=ISLANDS_GLOBAL_BATCH).name in results
+        assert Arm("standard", seed, lr=chosen.best_b[1], batch=24).name in results
+
+
+def test_the_headline_arms_come_before_the_batch_sweeps():
+    order = []
+    results = {}
+    for _ in range(200):
+        todo = plan(results).todo
+        if not todo:
+            break
+        order.append(todo[0])
+        results.update(finished(todo[:1], lambda a: 2 + abs(a.lr - 5e-3) if a.kind == "standard" else 2.0))
+    kinds = [(a.kind, a.batch) for a in order]
+    first_other_batch = next(i for i, (kind, batch) in enumerate(kinds) if kind == "standard" and batch != 48)
+    assert {k for k, _ in kinds[:first_other_batch]} == {"standard", "islands", "single"}
+
+
+@pytest.mark.parametrize("field", ["lr", "global_batch"])
+def test_a_standard_arm_sets_the_baseline_it_is_named_for(field):
+    spec = Arm("standard", 1, lr=7e-3, batch=24).spec()
+    assert spec.baseline.lr == 7e-3 and spec.baseline.global_batch == 24
+    assert spec.seed == 1

@@ -40,7 +40,7 @@ class BaselinePlan:
     def of(cls, spec: RunSpec) -> "BaselinePlan":
         slots = spec.learners
         planned_rows = [slot.rows_per_round * spec.sync.rounds for slot in slots]
-        global_batch = sum(slot.island.batch_size for slot in slots)
+        global_batch = spec.baseline.global_batch or sum(slot.island.batch_size for slot in slots)
         return cls(slots, planned_rows, global_batch, -(-sum(planned_rows) // global_batch))
 
     def step_tokens(self, step: int) -> list[int]:
@@ -73,8 +73,12 @@ def accumulate_gradients(model, plan: BaselinePlan, samplers: dict[int, WindowSa
     return loss_sum, total
 
 
+def baseline_lr(spec: RunSpec) -> float:
+    return spec.baseline.lr or spec.sync.inner_lr
+
+
 def baseline_optimizer(spec: RunSpec, model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=spec.sync.inner_lr,
+    return torch.optim.AdamW(model.parameters(), lr=baseline_lr(spec),
                              weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
 
 
@@ -88,7 +92,7 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
     snapshots = set(snapshot_steps(spec.sync.rounds, steps))
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps, spec.sync.inner_lr, spec.sync.warmup_steps)
+            group["lr"] = learning_rate(step, steps, baseline_lr(spec), spec.sync.warmup_steps)
         optimizer.zero_grad(set_to_none=True)
         loss_sum, total = accumulate_gradients(model, plan, samplers, step)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
