@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.quality import base_spec
+from bench.quality import FAMILIES, base_spec
 from flows.cli import main
 from infra.spec import parse_spec
 from infra.store import ObjectStore
@@ -91,7 +91,7 @@ def test_a_document_too_big_for_the_evaluation_is_skipped_and_smaller_ones_still
 
 def stdlib_spec(tmp_path: Path, split_seed: int):
     """The benchmark's code corpus and islands (bench/quality.py base_spec), in a local store."""
-    raw = base_spec(seed=0, rounds=1)
+    raw = base_spec(seed=0, family=FAMILIES["butterfly"])
     raw["data"] = {"corpora": [c for c in raw["data"]["corpora"] if c["name"] == "code"], "split_seed": split_seed}
     raw["store"] = {"url": str(tmp_path / "store")}
     return parse_spec(raw)
