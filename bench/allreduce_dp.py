@@ -17,7 +17,6 @@ commits the final weights as the run's baseline model. Progress and the summary 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from datetime import timedelta
@@ -29,11 +28,11 @@ from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
 from training.baseline import BaselinePlan, accumulate_gradients, baseline_lr, baseline_optimizer, shard_samplers
-from training.learner import build_model, flat_parameters, learning_rate, unflatten_into
-
-
-def emit(event: str, **fields) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
+from training.events import emit
+from training.inner import optimizer_step
+from training.model import build_model
+from training.params import flat_parameters, unflatten_into
+from training.schedule import learning_rate
 
 
 def all_reduce_gradients(model: torch.nn.Module) -> int:
@@ -66,15 +65,12 @@ def train(spec: RunSpec, store: ObjectStore, island: str, max_steps: int | None)
     started = time.monotonic()
     for step in range(steps):
         t0 = time.monotonic()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, plan.steps, baseline_lr(spec), spec.sync.warmup_steps)
         optimizer.zero_grad(set_to_none=True)
         loss, total = accumulate_gradients(model, plan, samplers, step)
         t1 = time.monotonic()
         gradient_bytes = all_reduce_gradients(model)
         t2 = time.monotonic()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(model, optimizer, learning_rate(step, plan.steps, baseline_lr(spec), spec.sync.warmup_steps))
         computing += (t1 - t0) + (time.monotonic() - t2)
         communicating += t2 - t1
         tokens += total

@@ -22,7 +22,9 @@ from infra import layout
 from infra.spec import parse_spec
 from infra.store import ObjectStore
 from training.data import WindowSampler, prepare_dataset, read_stream
-from training.learner import Learner, build_model
+from training.inner import inner_optimizer, optimizer_step
+from training.learner import Learner
+from training.model import build_model
 
 
 def bench_spec(store_url: str, batch: int, seq_len: int, steps: int):
@@ -42,8 +44,8 @@ class BareLoop:
     def __init__(self, spec, stream: torch.Tensor):
         self.island = spec.islands[0]
         self.model = build_model(spec)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=spec.sync.inner_lr,
-                                           weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
+        self.lr = spec.sync.inner_lr
+        self.optimizer = inner_optimizer(self.model.parameters(), self.lr, spec.sync.weight_decay)
         self.sampler = WindowSampler(stream, self.island.seq_len, seed=1)
 
     def run(self, steps: int) -> float:
@@ -53,8 +55,7 @@ class BareLoop:
             loss = self.model.loss(inputs, targets)
             self.optimizer.zero_grad(set_to_none=False)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-            self.optimizer.step()
+            optimizer_step(self.model, self.optimizer, self.lr)
         return steps * self.island.batch_size * self.island.seq_len / (time.perf_counter() - started)
 
 

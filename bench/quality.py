@@ -44,11 +44,11 @@ from infra import layout
 from infra.launch import LearnerFailed, LearnerProcess, run_learner
 from infra.spec import RunSpec, parse_spec
 from infra.store import run_store
-from tasks.training import threads_per_process
+from infra.launch import threads_per_process
 from training.baseline import train_baseline
 from training.consolidate import consolidate
 from training.data import prepare_dataset, read_stream
-from training.learner import build_model
+from training.model import build_model
 
 RESULTS = Path("bench/results/quality")
 SEEDS = (0, 1, 2)

@@ -272,7 +272,7 @@ def calibrate_step_seconds(spec, repeats: int = 5) -> float:
     over its steps), with the threads each of its ranks gets."""
     import torch
     from training.baseline import BaselinePlan, baseline_optimizer
-    from training.learner import build_model
+    from training.model import build_model
 
     torch.set_num_threads(dp_threads(len(spec.islands)))
     model = build_model(spec)
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = next(iter(specs.values()))
     warm_data_cache(specs.values())  # the namespaces have no route to the package index
 
-    from training.learner import build_model
+    from training.model import build_model
     parameters = build_model(reference).parameter_counts()["total"]
     step_seconds = calibrate_step_seconds(reference)
     matched = dp_matched_rate_bps(parameters * FP32, step_seconds)
@@ -452,10 +452,10 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     from eval.report import allreduce_equivalent
     from infra import layout
     from infra.launch import LearnerProcess, run_learner
-    from tasks.training import threads_per_process
+    from infra.launch import threads_per_process
     from training.baseline import BaselinePlan
     from training.consolidate import consolidate
-    from training.learner import build_model
+    from training.model import build_model
 
     run_id, store, manifest = new_run(spec, arm)
     shard_bytes = {s["learner"]: s["object"]["nbytes"] for s in manifest["shards"]}

@@ -22,7 +22,7 @@ from eval.report import communication
 from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
-from training.learner import build_model
+from training.model import build_model
 
 
 def measure(store: ObjectStore, run_id: str) -> dict:

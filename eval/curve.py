@@ -8,33 +8,18 @@ them cheap; the report's table scores every held-out byte of the final models.
 
 from __future__ import annotations
 
-import math
-
 from eval.bpb import bits_per_byte
 from infra import layout
 from infra.derived import read_derived
 from infra.spec import RunSpec
 from infra.store import IntegrityError
 from training.data import read_stream
-from training.learner import build_model, load_flat_parameters
 from training.mixing import weighted_mean
+from training.model import build_model
+from training.params import load_flat_parameters
+from training.schedule import curve_rounds
 
 CURVE_EVAL_BYTES = 16_384
-CURVE_POINTS = 4
-
-
-def curve_rounds(rounds: int, points: int = CURVE_POINTS) -> list[int]:
-    """Rounds after which both arms are scored, evenly spread and always including the last."""
-    return sorted({math.ceil(rounds * k / points) - 1 for k in range(1, points + 1)})
-
-
-def snapshot_steps(rounds: int, steps: int) -> list[int]:
-    """Standard-training steps (0-based) at which it has seen the islands' tokens after each curve round.
-
-    Both arms consume the same planned rows, the baseline spread evenly over its steps, so
-    after step s it has seen (s + 1) / steps of them, as the islands have after (r + 1) / rounds.
-    """
-    return sorted({max(0, round(steps * (r + 1) / rounds) - 1) for r in curve_rounds(rounds)})
 
 
 def _islands_model(spec: RunSpec, store, round_index: int):

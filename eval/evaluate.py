@@ -7,7 +7,8 @@ from infra.derived import read_derived
 from infra.spec import RunSpec
 from eval.bpb import bits_per_byte
 from training.data import read_stream
-from training.learner import build_model, load_flat_parameters
+from training.model import build_model
+from training.params import load_flat_parameters
 
 
 def load_model(spec: RunSpec, store, key: str):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 from eval.bootstrap import paired_bootstrap
+from infra import layout
 from infra.spec import CorruptObject, RunSpec
 
 FP32 = 4
@@ -149,12 +150,12 @@ def fault_report(spec: RunSpec, summaries: list[dict], checkpointed_rounds: dict
     that restarted and still finished the run. `rounds_lost`: learner-rounds without that
     learner's own checkpoint (work that was lost or skipped by rejoining from a peer).
     """
-    killed = [int(m.split("killed-learner-")[1][:3]) for m in fault_markers if "killed-learner-" in m]
     store_faults: dict[str, int] = {}
     for s in summaries:
         for kind, count in s["store_faults_injected"].items():
             store_faults[kind] = store_faults.get(kind, 0) + count
-    injected = {"kill_learner": len(killed), "stage_failures": sum("failed-stage-" in m for m in fault_markers),
+    injected = {"kill_learner": layout.count_fault_markers(fault_markers, layout.KILLED_LEARNER),
+                "stage_failures": layout.count_fault_markers(fault_markers, layout.FAILED_STAGE),
                 "corrupt_object": len(spec.faults_of(CorruptObject)), **{f"store_{k}": v for k, v in store_faults.items()}}
     restarts = {s["learner"]: restarted_lives(s["lives"]) for s in summaries}
     skipped = {s["learner"]: sum(len(life["skipped_rounds"]) for life in s["lives"]) for s in summaries}

@@ -33,6 +33,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from infra.spec import RunSpec
+
 # Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
 WINDOW_CLOSED = 75
 
@@ -71,6 +73,12 @@ class LearnerProcess:
         if self.until:
             args += ["--until", self.until.isoformat()]
         return [*self.wrapper, *launcher, *args]
+
+
+def threads_per_process(spec: RunSpec) -> int:
+    """Share the host's cores among every learner process running at once."""
+    processes = sum(i.learners * i.processes_per_learner for i in spec.islands)
+    return max(1, (os.cpu_count() or 1) // processes)
 
 
 class LearnerFailed(RuntimeError):

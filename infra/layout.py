@@ -80,3 +80,24 @@ def rewrite(key: str, attempt: int) -> str:
     """Where a derived object (a model the lifecycle computed) is committed again when its earlier
     commit came out corrupt: objects are written once, so a damaged one is never replaced in place."""
     return f"rewrites/{attempt}/{key}"
+
+
+def checkpoint_rounds(keys: list[str]) -> list[int]:
+    """The rounds of the committed checkpoints among a learner's keys (as `store.list` returns them)."""
+    return [int(key.split("/round-")[1].split("/")[0]) for key in keys if key.endswith("/checkpoint.json")]
+
+
+KILLED_LEARNER, CLOSED_WINDOW, FAILED_STAGE = "killed-learner", "closed-window", "failed-stage"
+
+
+def fault_marker(kind: str, learner: int, round_index: int) -> str:
+    """Remembers that an injected fault already struck, so a restarted learner does not meet it again."""
+    return f"faults/{kind}-{learner:03d}-round-{round_index:05d}.json"
+
+
+def failed_stage_marker(stage: str) -> str:
+    return f"faults/{FAILED_STAGE}-{stage}.json"
+
+
+def count_fault_markers(keys: list[str], kind: str) -> int:
+    return sum(f"{kind}-" in key for key in keys)

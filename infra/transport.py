@@ -191,6 +191,10 @@ class Transport:
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
             raise MalformedMessage(f"message {key}: not a safetensors payload ({err})") from None
 
+    def wait_for_message(self, key: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
+        """Whether a message's commit appeared within `timeout_s`; False at once when `give_up()` says so."""
+        return self.store.wait_for(f"{key}.json", timeout_s, give_up=give_up)
+
     def _timed(self, link: str, transfer: Callable, size: Callable = len):
         """Run one chunk's transfer, then hold the caller until the budget says it has left the link."""
         began = self.clock()

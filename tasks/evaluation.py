@@ -17,7 +17,7 @@ from infra.spec import RunSpec
 from infra.store import run_store
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
-from training.learner import build_model
+from training.model import build_model
 
 
 @stage("evaluate")
@@ -37,7 +37,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
     fail_once_if_asked(spec, run_id, "report")
     store = run_store(spec.store, run_id)
     summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
-    checkpointed = {s.index: sum(key.endswith("/checkpoint.json") for key in store.list(layout.learner_prefix(s.index)))
+    checkpointed = {s.index: len(layout.checkpoint_rounds(store.list(layout.learner_prefix(s.index))))
                     for s in spec.learners}
     report = build_report(spec, run_id, evals, consensus, summaries, baseline,
                           build_model(spec).parameter_counts(), wall_seconds)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from infra import layout
 from infra.spec import FailStage, RunSpec
 from infra.store import run_store
 
@@ -10,7 +11,7 @@ def fail_once_if_asked(spec: RunSpec, run_id: str, stage: str) -> None:
     """Fault injection: a `fail_stage` fault fails its stage the first time only."""
     if any(f.stage == stage for f in spec.faults_of(FailStage)):
         store = run_store(spec.store, run_id)
-        marker = f"faults/failed-stage-{stage}.json"
+        marker = layout.failed_stage_marker(stage)
         if not store.exists(marker):
             store.put_json(marker, {"stage": stage})
             raise RuntimeError(f"stage {stage} failed on purpose (fault 'fail_stage'); retry the run to continue")

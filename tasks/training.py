@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable
 from datetime import datetime
 from uuid import UUID
@@ -12,19 +10,14 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from infra import layout
-from infra.launch import LearnerProcess, run_learner
+from infra.launch import LearnerProcess, run_learner, threads_per_process
 from infra.spec import RunSpec
 from infra.store import run_store
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
 from training.baseline import train_baseline
+from training import events
 from training.consolidate import consolidate
-
-
-def threads_per_process(spec: RunSpec) -> int:
-    """Share the host's cores among every learner process running at once."""
-    processes = sum(i.learners * i.processes_per_learner for i in spec.islands)
-    return max(1, (os.cpu_count() or 1) // processes)
 
 
 def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
@@ -32,11 +25,8 @@ def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
     anything else (a library's warning, a traceback, JSON that is not an event) is logged as text."""
 
     def relay(line: str) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            event = None
-        if not isinstance(event, dict) or "event" not in event:
+        event = events.parse(line)
+        if event is None:
             logger.info("%s", line)
             return
         if event["event"] == "round":

@@ -5,7 +5,7 @@ import torch
 
 from infra.spec import SpecError, parse_spec
 from training.fragments import FragmentLayout, exchange_count, fragment_of_round
-from training.learner import flat_parameters
+from training.params import flat_parameters
 from training.mixing import butterfly_partner, stage_count
 from training.model import ByteGPT, GPTConfig
 

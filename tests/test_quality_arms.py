@@ -4,7 +4,7 @@ best (no training: finished arms are stood in for by their validation scores).""
 import pytest
 
 from bench.quality import (FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, SEEDS, Arm, plan)
-from training.learner import build_model
+from training.model import build_model
 
 
 def total_rows(arm) -> int:

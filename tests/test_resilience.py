@@ -10,7 +10,8 @@ from infra import layout
 from infra.spec import parse_spec
 from infra.store import ObjectStore
 from training.data import prepare_dataset
-from training.learner import Learner, flat_parameters
+from training.learner import Learner
+from training.params import flat_parameters
 
 
 @pytest.fixture
@@ -25,8 +26,8 @@ def test_a_learner_whose_partner_is_gone_goes_on_and_records_it(run):
     spec, store = run()
     learner = Learner(spec, store, 0)
     learner.run()  # learner 1 never starts: every exchange misses its deadline
-    assert [m["round"] for m in learner.traffic.missed_exchanges] == [0, 1, 2, 3]
-    assert all(m["reason"] == "deadline" for m in learner.traffic.missed_exchanges)
+    assert [m["round"] for m in learner.ledger.missed_exchanges] == [0, 1, 2, 3]
+    assert all(m["reason"] == "deadline" for m in learner.ledger.missed_exchanges)
     assert store.is_committed(layout.checkpoint(0, 3))
 
 
@@ -35,11 +36,9 @@ def test_a_corrupt_message_is_detected_and_never_mixed_in(run):
     sender = Learner(spec, store, 1)
     sender.store.corrupt_next_write()
     anchor = flat_parameters(sender.model)
-    sender._publish(0, anchor, torch.ones_like(anchor), sender.slot.tokens_per_round())
-    receiver = Learner(spec, store, 0)
-    assert receiver._receive(1, 0) is None
-    assert receiver.traffic.corrupt_reads == 1
-    assert receiver.traffic.missed_exchanges[0]["reason"].startswith("corrupt")
+    sender.exchanger.publish(0, anchor, torch.ones_like(anchor))
+    receipt = Learner(spec, store, 0).exchanger.receive(1, 0)
+    assert receipt.message is None and receipt.corrupt and receipt.reason.startswith("corrupt")
 
 
 def test_restart_resumes_from_own_checkpoint_and_skips_uncommitted_or_corrupt_ones(run):
@@ -54,8 +53,8 @@ def test_restart_resumes_from_own_checkpoint_and_skips_uncommitted_or_corrupt_on
     again.resume()
     assert again.start_round == 2 and again.rejoined_from == {"learner": 0, "round": 1}
     assert torch.equal(flat_parameters(again.model), flat_parameters(first.model))
-    assert again.traffic.written == first.traffic.written > 0  # counters survive the restart
-    assert [r["round"] for r in again.traffic.rounds] == [0, 1]
+    assert again.ledger.written == first.ledger.written > 0  # counters survive the restart
+    assert [r["round"] for r in again.ledger.rounds] == [0, 1]
 
 
 def test_restart_rejoins_from_a_fresher_peer_checkpoint(run):
@@ -70,7 +69,7 @@ def test_restart_rejoins_from_a_fresher_peer_checkpoint(run):
     late.resume()
     assert late.start_round == 3 and late.rejoined_from == {"learner": 1, "round": 2}
     assert torch.equal(flat_parameters(late.model), flat_parameters(peer.model))
-    assert [r["round"] for r in late.traffic.rounds] == [0]  # its own first life still counts
+    assert [r["round"] for r in late.ledger.rounds] == [0]  # its own first life still counts
 
 
 def test_a_late_first_start_trains_every_round_instead_of_taking_a_peer_state(run):
@@ -134,10 +133,10 @@ def test_a_partner_stops_waiting_as_soon_as_a_restart_records_the_round_will_nev
     waiting = Learner(spec.model_copy(update={"sync": spec.sync.model_copy(update={"partner_timeout_s": 60})}),
                       store, 1)
     began = time.monotonic()
-    assert waiting._receive(0, 2) is None
+    receipt = waiting.exchanger.receive(0, 2)
+    assert receipt.message is None and receipt.reason == "skipped by the peer's restart"
     assert time.monotonic() - began < 10
-    assert waiting.traffic.missed_exchanges[-1]["reason"] == "skipped by the peer's restart"
-    (first, second) = restarted._lives()
+    (first, second) = restarted.lives.of(0)
     assert first["skipped_rounds"] == [] and second["skipped_rounds"] == [0, 1, 2, 3]
 
 

@@ -15,7 +15,8 @@ from infra import layout
 from infra.store import ObjectStore
 from training.compression import Codec
 from training.data import read_stream
-from training.learner import Learner, LearnerDiverged, flat_parameters, load_flat_parameters
+from training.learner import Learner, LearnerDiverged
+from training.params import flat_parameters, load_flat_parameters
 
 from tests.test_streaming import run_both
 
@@ -34,14 +35,15 @@ def honest_message(learner: Learner, round_index: int) -> tuple[dict[str, torch.
     weights = flat_parameters(learner.model)
     fragment = 0
     fields = {"anchor": weights, "delta": torch.full_like(weights, 1e-3)}
-    if learner.codec.lossless:
+    exchanger = learner.exchanger
+    if exchanger.codec.lossless:
         payload = fields
     else:
-        payload, _, _ = learner.feedback.encode(
-            {"anchor": weights - learner.initial, "delta": fields["delta"]},
-            learner.fragments.indices[fragment], sparsify={"anchor": False})
+        payload, _, _ = exchanger.feedback.encode(
+            {"anchor": weights - exchanger.initial, "delta": fields["delta"]},
+            exchanger.fragments[fragment].index, sparsify={"anchor": False})
     meta = {"learner": learner.slot.index, "round": round_index, "tokens": learner.slot.tokens_per_round(),
-            "fragment": fragment, "anchor_from_initial": not learner.codec.lossless}
+            "fragment": fragment, "anchor_from_initial": not exchanger.codec.lossless}
     return payload, meta
 
 
@@ -106,9 +108,8 @@ def test_a_poisoned_or_malformed_message_is_a_missed_exchange(run, poison):
     payload, meta = honest_message(sender, 0)
     poison(payload, meta)
     plant(store, 0, payload, meta)
-    assert receiver._receive(1, 0) is None
-    (missed,) = receiver.traffic.missed_exchanges
-    assert missed["peer"] == 1 and missed["round"] == 0 and missed["reason"].startswith("refused:")
+    receipt = receiver.exchanger.receive(1, 0)
+    assert receipt.message is None and receipt.peer == 1 and receipt.reason.startswith("refused:")
 
 
 def test_an_honest_message_is_accepted_and_its_tokens_come_from_the_plan(run):
@@ -116,8 +117,9 @@ def test_an_honest_message_is_accepted_and_its_tokens_come_from_the_plan(run):
     receiver, sender = Learner(spec, store, 0), Learner(spec, store, 1)
     payload, meta = honest_message(sender, 0)
     plant(store, 0, payload, meta)
-    message, _ = receiver._receive(1, 0)
-    assert torch.equal(message["delta"], payload["delta"]) and receiver.traffic.missed_exchanges == []
+    receipt = receiver.exchanger.receive(1, 0)
+    assert torch.equal(receipt.message.fields["delta"], payload["delta"]) and receipt.reason is None
+    assert receipt.message.tokens == spec.learners[1].tokens_per_round()
 
 
 def corrupt_count(p, m):
@@ -148,8 +150,8 @@ def test_a_malformed_compressed_message_is_a_missed_exchange(run, poison):
     payload, meta = honest_message(sender, 0)
     poison(payload, meta)
     plant(store, 0, payload, meta)
-    assert receiver._receive(1, 0) is None
-    assert receiver.traffic.missed_exchanges[0]["reason"].startswith("refused:")
+    receipt = receiver.exchanger.receive(1, 0)
+    assert receipt.message is None and receipt.reason.startswith("refused:")
 
 
 def test_a_commit_pointing_outside_its_message_is_never_read(run):
@@ -157,8 +159,8 @@ def test_a_commit_pointing_outside_its_message_is_never_read(run):
     receiver = Learner(spec, store, 0)
     ref = store.put_tensors("elsewhere.safetensors", {"delta": torch.zeros(3)})
     store.put_json(f"{layout.message(1, 0)}.json", {"tensors": ref.to_json(), "learner": 1, "round": 0})
-    assert receiver._receive(1, 0) is None
-    assert "outside the message" in receiver.traffic.missed_exchanges[0]["reason"]
+    receipt = receiver.exchanger.receive(1, 0)
+    assert receipt.message is None and "outside the message" in receipt.reason
 
 
 def train_pair(spec, store) -> list[Learner]:
@@ -181,7 +183,7 @@ def test_a_run_with_poisoned_messages_trains_as_if_they_were_missing(run):
         poison(payload, meta)
         plant(store, round_index, payload, meta)
     poisoned = train_pair(spec, store)
-    assert [m["round"] for m in poisoned[0].traffic.missed_exchanges] == [0, 1, 2]
+    assert [m["round"] for m in poisoned[0].ledger.missed_exchanges] == [0, 1, 2]
     heldout = read_stream(store, store.get_json(layout.DATA_MANIFEST)["heldout"]["text"])
     for learner, reference in zip(poisoned, clean):
         assert bool(torch.isfinite(flat_parameters(learner.model)).all())
@@ -206,7 +208,7 @@ def test_the_expected_layout_is_the_codecs_own(run):
     for scheme, topk in (("none", 1.0), ("int8", 1.0), ("int4", 0.25), ("none", 0.5)):
         spec, store = run(run_id=f"{scheme}-{topk}", compression=scheme, topk=topk)
         receiver, sender = Learner(spec, store, 0), Learner(spec, store, 1)
-        assert receiver.codec == Codec(scheme, receiver.codec.scale_chunk, topk)
+        assert receiver.exchanger.codec == Codec(scheme, receiver.exchanger.codec.scale_chunk, topk)
         payload, meta = honest_message(sender, 0)
         plant(store, 0, payload, meta)
-        assert receiver._receive(1, 0) is not None, (scheme, topk)
+        assert receiver.exchanger.receive(1, 0).message is not None, (scheme, topk)

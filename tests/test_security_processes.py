@@ -23,7 +23,8 @@ from tasks.training import learner_relay
 from training.baseline import train_baseline
 from training.consolidate import consolidate
 from training.data import prepare_dataset
-from training.learner import build_model, flat_parameters
+from training.model import build_model
+from training.params import flat_parameters
 from training.mixing import weighted_mean
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from infra import layout
-from training.learner import Learner, flat_parameters
+from training.learner import Learner
+from training.params import flat_parameters
 
 
 @pytest.fixture
@@ -47,18 +48,18 @@ def test_each_round_sends_one_fragment_as_its_own_object_and_mixes_it(run):
     step_both(learners, range(3))
     keys = store.list(layout.round_prefix(0, 1))
     assert f"{layout.message(0, 1, fragment=1)}.json" in keys and f"{layout.message(0, 1)}.json" not in keys
-    sizes = learners[0].fragments.sizes
-    sent = {e["fragment"]: e["bytes_sent"] for e in learners[0].traffic.exchanges}
+    sizes = learners[0].exchanger.layout.sizes
+    sent = {e["fragment"]: e["bytes_sent"] for e in learners[0].ledger.exchanges}
     # int8 values plus a scale per 256: each message is about a byte per value of its fragment (anchor + delta).
     for fragment, nbytes in sent.items():
         assert 2 * sizes[fragment] < nbytes < 2.2 * sizes[fragment] + 2000
     # Both fragments have been mixed once (rounds 0 and 1): partners agree on every anchor, while
     # their weights hold their own progress since, and round 2's exchange is still in flight.
-    assert torch.equal(learners[0].anchors, learners[1].anchors)
+    assert torch.equal(learners[0].exchanger.anchors(), learners[1].exchanger.anchors())
     assert not torch.equal(flat_parameters(learners[0].model), flat_parameters(learners[1].model))
     assert learners[0].pending.round == 2
-    index = learners[0].fragments.indices[0]
-    residual = learners[0].feedback.residual["delta"]
+    index = learners[0].exchanger.fragments[0].index
+    residual = learners[0].exchanger.feedback.residual["delta"]
     assert torch.count_nonzero(residual[index]) > 0
 
 
@@ -89,8 +90,8 @@ def test_a_learner_killed_with_an_exchange_in_flight_applies_it_exactly_once(run
     # The restarted learner re-sent the same bytes (write-once: no second object) and landed on
     # exactly the state of the learner that never died: mix applied once, residual kept.
     assert torch.equal(flat_parameters(restarted.model), flat_parameters(learners[0].model))
-    assert torch.equal(restarted.anchors, learners[0].anchors)
-    assert torch.equal(restarted.feedback.residual["delta"], learners[0].feedback.residual["delta"])
+    assert torch.equal(restarted.exchanger.anchors(), learners[0].exchanger.anchors())
+    assert torch.equal(restarted.exchanger.feedback.residual["delta"], learners[0].exchanger.feedback.residual["delta"])
     assert len([k for k in store.list(layout.round_prefix(0, 1)) if "/message" in k]) == 2
 
 
@@ -105,7 +106,7 @@ def test_a_learner_that_rejoins_from_a_peer_drops_its_exchange_and_residual(run)
     late.resume()
     assert late.rejoined_from == {"learner": 1, "round": 2}
     assert late.pending is None
-    assert all(torch.count_nonzero(r) == 0 for r in late.feedback.residual.values())
+    assert all(torch.count_nonzero(r) == 0 for r in late.exchanger.feedback.residual.values())
 
 
 @pytest.mark.parametrize("compression,own_exact", [("none", False), ("int4", False), ("int4", True)])
@@ -113,10 +114,10 @@ def test_learners_stay_together_with_each_setting(run, compression, own_exact):
     spec, store = run(compression=compression, tau=3, mix_own_exact=own_exact)
     learners = [Learner(spec, store, i) for i in range(2)]
     run_both(learners)
-    assert all(learner.traffic.missed_exchanges == [] for learner in learners)
+    assert all(learner.ledger.missed_exchanges == [] for learner in learners)
     a, b = (flat_parameters(learner.model) for learner in learners)
     # The last round exchanges fragment 1 and waits for it; fragment 0 trained one round apart.
-    index = learners[0].fragments.indices[1]
+    index = learners[0].exchanger.fragments[1].index
     # Mixing the decoded messages on both sides, partners agree bitwise; mixing their own exact
     # state, they differ by the quantisation error.
     assert torch.equal(a[index], b[index]) != own_exact
@@ -129,7 +130,7 @@ def test_checkpoints_written_in_the_background_hold_the_state_at_the_end_of_thei
         spec, store = run(run_id=f"background-{background}", checkpoint_in_background=background)
         learners = [Learner(spec, store, i) for i in range(2)]
         run_both(learners)
-        assert all(learner.traffic.missed_exchanges == [] for learner in learners)
+        assert all(learner.ledger.missed_exchanges == [] for learner in learners)
         assert all(store.exists(layout.learner_summary(i)) for i in range(2))
         checkpoints[background] = {(i, t): store.read_committed(layout.checkpoint(i, t))[0]
                                    for i in range(2) for t in range(spec.sync.rounds)}

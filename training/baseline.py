@@ -14,12 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.curve import snapshot_steps
 from infra import layout
 from infra.derived import commit_derived
 from infra.spec import RunSpec
 from training.data import WindowSampler, read_stream
-from training.learner import build_model, flat_parameters, learning_rate
+from training.inner import inner_optimizer, optimizer_step
+from training.model import build_model
+from training.params import flat_parameters
+from training.schedule import learning_rate, snapshot_steps
 
 
 def rows_at_step(step: int, steps: int, rows: int) -> int:
@@ -78,8 +80,7 @@ def baseline_lr(spec: RunSpec) -> float:
 
 
 def baseline_optimizer(spec: RunSpec, model) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=baseline_lr(spec),
-                             weight_decay=spec.sync.weight_decay, betas=(0.9, 0.95))
+    return inner_optimizer(model.parameters(), baseline_lr(spec), spec.sync.weight_decay)
 
 
 def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lambda _: None) -> dict:
@@ -91,12 +92,9 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
     tokens, started = 0, time.monotonic()
     snapshots = set(snapshot_steps(spec.sync.rounds, steps))
     for step in range(steps):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps, baseline_lr(spec), spec.sync.warmup_steps)
         optimizer.zero_grad(set_to_none=True)
         loss_sum, total = accumulate_gradients(model, plan, samplers, step)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(model, optimizer, learning_rate(step, steps, baseline_lr(spec), spec.sync.warmup_steps))
         tokens += total
         if step in snapshots and step != steps - 1:
             commit_derived(store, layout.baseline_snapshot(step), {"weights": flat_parameters(model)},

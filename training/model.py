@@ -152,3 +152,9 @@ class ByteGPT(nn.Module):
         per_expert = sum(p.numel() for p in self.blocks[0].ffn.experts[0].parameters())
         idle = self.cfg.layers * (self.cfg.experts - self.cfg.top_k) * per_expert
         return {"total": total, "active": total - idle}
+
+
+def build_model(spec) -> ByteGPT:
+    """A run spec's initial model: every learner and the baseline start from these same weights."""
+    torch.manual_seed(spec.seed)
+    return ByteGPT(GPTConfig.from_spec(spec.model, spec.max_seq_len))

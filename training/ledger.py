@@ -1,0 +1,52 @@
+"""One learner's account of its run: bytes moved by link class, seconds computing and syncing,
+rounds, exchanges and the exchanges it missed, over all its lives.
+
+Only the learner's main thread writes it: the transport thread hands what an exchange moved back
+in the exchange's result, and the learner books it when it applies the exchange. A checkpoint
+carries the ledger, so a restarted learner's totals still count its earlier lives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Ledger:
+    written: int = 0
+    read_intra: int = 0
+    read_inter: int = 0
+    checkpoint: int = 0
+    seconds_computing: float = 0.0
+    seconds_syncing: float = 0.0
+    rounds: list[dict] = field(default_factory=list)
+    missed_exchanges: list[dict] = field(default_factory=list)
+    corrupt_reads: int = 0
+    seconds_blocked: float = 0.0
+    exchanges: list[dict] = field(default_factory=list)
+    links: dict = field(default_factory=dict)  # the transport's per-link counters, as of the last checkpoint
+
+    def book_round(self, round_index: int, fragment: int, loss: float, compute_s: float, sync_s: float) -> None:
+        self.seconds_computing += compute_s
+        self.seconds_syncing += sync_s
+        self.rounds.append({"round": round_index, "loss": loss, "compute_s": compute_s, "sync_s": sync_s,
+                            "fragment": fragment})
+
+    def book_exchange(self, round_index: int, fragment: int, result, blocked_s: float) -> None:
+        """What an applied exchange (a `training.sync.ExchangeResult`) sent, read and missed."""
+        self.written += result.bytes_sent
+        self.read_intra += result.bytes_read["intra"]
+        self.read_inter += result.bytes_read["inter"]
+        self.corrupt_reads += result.corrupt_reads
+        self.missed_exchanges.extend(result.missed)
+        self.seconds_blocked += blocked_s
+        self.exchanges.append({"round": round_index, "fragment": fragment, "bytes_sent": result.bytes_sent,
+                               "bytes_received": sum(result.bytes_read.values()),
+                               "peers": [r.peer for r in result.received]})
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, value in Ledger(**state).__dict__.items():
+            setattr(self, name, value)

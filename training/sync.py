@@ -1,0 +1,339 @@
+"""The exchange: what a learner sends its peers at the end of a round, what it takes from theirs,
+and how both become the fragment's next anchor.
+
+Each round exchanges one fragment (`training.fragments`). The learner hands the `Exchanger` its
+weights; the exchanger takes the fragment's pseudo-gradient Δ = θ − x against the fragment's
+anchor θ, and on the transport thread commits the message (compressed with error feedback when
+the codec is lossy), then fetches and validates each peer's (`training.messages`). The learner
+goes on computing; `tau` inner steps later it applies the exchange: the sync mode mixes the
+messages, the fragment's outer optimizer steps, and the fragment moves to the new anchor plus the
+local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)).
+
+The exchanger talks to the store only through its transport (`infra.transport.Transport`:
+`submit`, `put_message`, `get_message`, `wait_for_message`), so it is tested against a fake one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from infra import layout
+from infra.spec import LearnerSlot, RunSpec
+from infra.store import IntegrityError, ObjectExists
+from infra.transport import MalformedMessage
+from training.compression import Codec, ErrorFeedback
+from training.events import emit
+from training.fragments import FragmentLayout, exchange_count, fragment_of_round
+from training.messages import ExpectedMessage, MessageRejected, accept_message
+from training.mixing import butterfly_partner, mix_pair, weighted_mean
+from training.outer import OuterOptimizer
+
+
+@dataclass(frozen=True)
+class Received:
+    peer: int
+    fields: dict[str, torch.Tensor]
+    tokens: int  # what the receiver's plan weighs the peer by, never the message's word
+
+
+class SyncMode:
+    """Who a learner's peers are in a round, which fields its message carries, how messages mix."""
+
+    fields: tuple[str, ...]
+
+    def peers(self, me: int, round_index: int, fragments: int, links: list[str]) -> list[int]:
+        raise NotImplementedError
+
+    def mix(self, outer: OuterOptimizer, me: int, own: dict[str, torch.Tensor], tokens: int,
+            received: list[Received]) -> torch.Tensor:
+        """The fragment's next anchor."""
+        raise NotImplementedError
+
+
+class Butterfly(SyncMode):
+    """One partner per exchange, across the hypercube's dimension of the fragment's exchange count.
+    Partners average anchors too (they may have drifted apart), so a message carries both."""
+
+    fields = ("anchor", "delta")
+
+    def peers(self, me, round_index, fragments, links):
+        partner = butterfly_partner(me, exchange_count(round_index, fragments), len(links))
+        return [] if partner is None else [partner]
+
+    def mix(self, outer, me, own, tokens, received):
+        if not received:
+            return outer.step(own["anchor"], own["delta"])
+        theirs = received[0]
+        return outer.step(*mix_pair(own["anchor"], own["delta"], tokens, theirs.fields["anchor"],
+                                    theirs.fields["delta"], theirs.tokens, me, theirs.peer))
+
+
+class AllReduce(SyncMode):
+    """Every other learner, inter-island peers first (they are the slow ones); all share one anchor,
+    so only pseudo-gradients travel."""
+
+    fields = ("delta",)
+
+    def peers(self, me, round_index, fragments, links):
+        return sorted((p for p in range(len(links)) if p != me), key=lambda p: links[p] != "inter")
+
+    def mix(self, outer, me, own, tokens, received):
+        # Every learner sums in learner order, so all that heard the same peers agree bitwise.
+        messages = sorted([(me, own["delta"], tokens)] + [(r.peer, r.fields["delta"], r.tokens) for r in received],
+                          key=lambda item: item[0])
+        return outer.step(own["anchor"], weighted_mean([m[1] for m in messages], [m[2] for m in messages]))
+
+
+SYNC_MODES: dict[str, SyncMode] = {"butterfly": Butterfly(), "allreduce": AllReduce()}
+
+
+def partner_wait_s(sync, round_compute_s: float) -> float | None:
+    """With `sync.partner_wait_rounds`, how long after its inner steps a learner waits for all of this
+    round's peers together; None: each peer gets `sync.partner_timeout_s`."""
+    if sync.partner_wait_rounds is None:
+        return None
+    return min(sync.partner_timeout_s, sync.partner_wait_rounds * round_compute_s)
+
+
+@dataclass
+class Fragment:
+    """One fragment's exchange state: its positions in the flat parameter vector, its anchor (where
+    it last synchronised) and its outer optimizer. Its error-feedback residual is the slice at
+    `index` of the learner's `ErrorFeedback`."""
+
+    number: int
+    index: torch.Tensor
+    anchor: torch.Tensor
+    outer: OuterOptimizer
+
+
+@dataclass
+class Exchange:
+    """A fragment's exchange in flight: sent at the end of `round`, applied `tau` steps later."""
+
+    round: int
+    fragment: int
+    sent_weights: torch.Tensor | None = None  # the fragment's weights when it was sent
+    result: Future | None = None  # the transport job's ExchangeResult
+
+
+@dataclass
+class Receipt:
+    """What fetching one peer's message came to: the message, or why there is none."""
+
+    peer: int
+    message: Received | None
+    reason: str | None = None
+    link: str = "intra"
+    bytes_read: int = 0
+    corrupt: bool = False
+
+
+@dataclass
+class Published:
+    sent: dict[str, torch.Tensor]  # our message as peers decode it
+    residual: dict[str, torch.Tensor]  # the error-feedback residual slices after it
+    bytes_written: int
+
+
+@dataclass
+class ExchangeResult:
+    sent: dict[str, torch.Tensor]
+    exact: dict[str, torch.Tensor]  # what our message was encoded from
+    residual: dict[str, torch.Tensor]
+    received: list[Received]
+    bytes_sent: int
+    bytes_read: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+    missed: list[dict] = field(default_factory=list)
+    corrupt_reads: int = 0
+
+
+class Exchanger:
+    """A learner's side of every exchange, one `Fragment` per fragment of the model.
+
+    `skipped(peer, round)` says whether a peer's restart skipped a round (its message never comes);
+    `before_publish(round)` runs on the transport thread just before a message is written (fault
+    injection corrupts that write)."""
+
+    def __init__(self, spec: RunSpec, slot: LearnerSlot, transport, model: torch.nn.Module, initial: torch.Tensor,
+                 skipped: Callable[[int, int], bool] = lambda peer, round_index: False,
+                 before_publish: Callable[[int], None] = lambda round_index: None):
+        self.spec, self.slot, self.transport = spec, slot, transport
+        self.skipped, self.before_publish = skipped, before_publish
+        settings = spec.sync.transport
+        self.tau = settings.tau
+        self.mode = SYNC_MODES[spec.sync.mode]
+        self.layout = FragmentLayout.build(model, settings.fragments, settings.layout)
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+        # Shampoo preconditions each weight matrix: every fragment's optimizer sees its parameters' shapes.
+        self.fragments = [Fragment(f, index, initial[index].clone(),
+                                   OuterOptimizer.from_spec(spec.sync.outer, [shapes[name] for name in names]))
+                          for f, (index, names) in enumerate(zip(self.layout.indices, self.layout.names))]
+        self.codec = Codec(settings.compression, settings.scale_chunk, settings.topk)
+        # Compressed anchors travel as their difference from the run's initial weights, which every
+        # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
+        self.initial = initial
+        self.feedback = ErrorFeedback(self.codec, initial.numel(), ("anchor", "delta"), settings.error_feedback)
+        self.links = ["intra" if peer.island.name == slot.island.name else "inter" for peer in spec.learners]
+
+    # -- the public face ------------------------------------------------------------------------
+
+    def fragment_of(self, round_index: int) -> Fragment:
+        return self.fragments[fragment_of_round(round_index, len(self.fragments))]
+
+    def due(self, steps_since_sent: int) -> bool:
+        """Whether an exchange sent `steps_since_sent` inner steps ago is applied now."""
+        return steps_since_sent >= self.tau
+
+    def start(self, round_index: int, weights: torch.Tensor, deadline: float | None = None) -> Exchange:
+        """Queue this round's fragment's exchange on the transport thread; the learner goes on computing.
+        `deadline` (monotonic seconds): when to stop waiting for all peers together."""
+        fragment = self.fragment_of(round_index)
+        anchor, sent_weights = fragment.anchor.clone(), weights[fragment.index]
+        future = self.transport.submit(self._link_class(round_index), self._exchange, round_index, anchor,
+                                       anchor - sent_weights, deadline)
+        return Exchange(round_index, fragment.number, sent_weights, future)
+
+    def apply(self, exchange: Exchange, weights: torch.Tensor) -> tuple[torch.Tensor, ExchangeResult]:
+        """Wait for the exchange (if it is still in flight), mix, take the fragment's outer step;
+        returns the fragment's new weights (the new anchor plus the progress made since it was sent)."""
+        fragment = self.fragments[exchange.fragment]
+        result: ExchangeResult = exchange.result.result()
+        lossy_exact = self.spec.sync.transport.mix_own_exact and not self.codec.lossless
+        fragment.anchor = self.mode.mix(fragment.outer, self.slot.index, result.exact if lossy_exact else result.sent,
+                                        self.slot.tokens_per_round(), result.received)
+        self.feedback.commit(fragment.index, result.residual)
+        return fragment.anchor + (weights[fragment.index] - exchange.sent_weights), result
+
+    def publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor) -> Published:
+        """Commit this round's message. If a previous life of this learner already sent one for the
+        round, peers may have mixed with it: keep to what was sent."""
+        self.before_publish(round_index)
+        fragment = self.fragment_of(round_index)
+        fields = {name: value for name, value in (("anchor", anchor), ("delta", delta)) if name in self.mode.fields}
+        if not self.codec.lossless:
+            fields = {name: value - self.initial[fragment.index] if name == "anchor" else value
+                      for name, value in fields.items()}
+        payload, decoded, residual = (dict(fields), dict(fields), {}) if self.codec.lossless else \
+            self.feedback.encode(fields, fragment.index, sparsify={"anchor": False})
+        meta = {"learner": self.slot.index, "round": round_index, "tokens": self.slot.tokens_per_round(),
+                "fragment": fragment.number, "anchor_from_initial": not self.codec.lossless}
+        key, link, nbytes = self._message_key(self.slot.index, round_index), self._link_class(round_index), 0
+        try:
+            nbytes = self.transport.put_message(key, payload, meta, link)
+        except ObjectExists:
+            expected = self._expected(self.slot.index, round_index)
+            try:
+                sent, sent_meta, _ = self.transport.get_message(key, link, expected.max_bytes)
+                decoded = accept_message(sent, sent_meta, expected, self.codec)
+                residual = self.feedback.residual_after(fields, fragment.index, decoded)
+            except (IntegrityError, MalformedMessage, MessageRejected) as err:
+                # Someone else wrote our key first: peers refuse it as we do, so none of this
+                # round's values reached them; mix with our own and keep the residual as it was.
+                emit("own_message_refused", learner=self.slot.index, round=round_index, reason=str(err))
+                decoded, residual = dict(fields), {}
+        if not self.codec.lossless and "anchor" in decoded:
+            decoded["anchor"] = decoded["anchor"] + self.initial[fragment.index]
+        return Published({"anchor": decoded.get("anchor", anchor), "delta": decoded["delta"]}, residual, nbytes)
+
+    def receive(self, peer: int, round_index: int, deadline: float | None = None) -> Receipt:
+        """Fetch and validate a peer's message of a round, waiting for it until `deadline` (or, without
+        one, `sync.partner_timeout_s`) unless the peer's restart skipped the round."""
+        key = self._message_key(peer, round_index)
+        timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self.transport.wait_for_message(key, timeout, give_up=lambda: self.skipped(peer, round_index)):
+            return self._missed(peer, round_index, "skipped by the peer's restart"
+                                if self.skipped(peer, round_index) else "deadline")
+        link, expected = self.links[peer], self._expected(peer, round_index)
+        try:
+            payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes)
+        except IntegrityError as err:
+            return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True)
+        except MalformedMessage as err:
+            return self._missed(peer, round_index, f"refused: {err}")
+        try:
+            message = accept_message(payload, meta, expected, self.codec)
+        except MessageRejected as err:
+            return self._missed(peer, round_index, f"refused: {err}", link=link, bytes_read=nbytes)
+        if expected.anchor_from_initial and "anchor" in message:
+            message["anchor"] = message["anchor"] + self.initial[self.fragments[expected.fragment].index]
+        return Receipt(peer, Received(peer, message, expected.tokens), link=link, bytes_read=nbytes)
+
+    # -- state ----------------------------------------------------------------------------------
+
+    def anchors(self) -> torch.Tensor:
+        """Every fragment's anchor, as one vector in flat-parameter order."""
+        flat = torch.empty_like(self.initial)
+        for fragment in self.fragments:
+            flat[fragment.index] = fragment.anchor
+        return flat
+
+    def load_anchors(self, flat: torch.Tensor) -> None:
+        for fragment in self.fragments:
+            fragment.anchor = flat[fragment.index].float().cpu().clone()
+
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The outer optimizers' and error feedback's tensors, and the outer optimizers' scalars."""
+        tensors, scalars = {}, {}
+        if len(self.fragments) == 1:
+            tensors, scalars = self.fragments[0].outer.state()
+        else:
+            for fragment in self.fragments:
+                fragment_tensors, scalars[f"fragment-{fragment.number}"] = fragment.outer.state()
+                tensors.update({f"fragment-{fragment.number}.{k}": v for k, v in fragment_tensors.items()})
+        return {**tensors, **self.feedback.state_tensors()}, scalars
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        if len(self.fragments) == 1:
+            self.fragments[0].outer.load_state(tensors, scalars)
+        else:
+            for fragment in self.fragments:
+                prefix = f"fragment-{fragment.number}."
+                fragment.outer.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                                          scalars.get(f"fragment-{fragment.number}", {}))
+        self.feedback.load_state_tensors(tensors)
+
+    # -- on the transport thread ----------------------------------------------------------------
+
+    def _exchange(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor,
+                  deadline: float | None) -> ExchangeResult:
+        published = self.publish(round_index, anchor, delta)
+        result = ExchangeResult(published.sent, {"anchor": anchor, "delta": delta}, published.residual, [],
+                                published.bytes_written)
+        for peer in self._peers(round_index):
+            receipt = self.receive(peer, round_index, deadline)
+            result.bytes_read[receipt.link] += receipt.bytes_read
+            result.corrupt_reads += receipt.corrupt
+            if receipt.message is None:
+                result.missed.append({"round": round_index, "peer": peer, "reason": receipt.reason})
+            else:
+                result.received.append(receipt.message)
+        return result
+
+    def _missed(self, peer: int, round_index: int, reason: str, **details) -> Receipt:
+        emit("missed_exchange", learner=self.slot.index, peer=peer, round=round_index, reason=reason)
+        return Receipt(peer, None, reason, **details)
+
+    def _peers(self, round_index: int) -> list[int]:
+        return self.mode.peers(self.slot.index, round_index, len(self.fragments), self.links)
+
+    def _link_class(self, round_index: int) -> str:
+        """A message travels as inter-island traffic when any of the round's peers is on another island."""
+        return "inter" if any(self.links[p] == "inter" for p in self._peers(round_index)) else "intra"
+
+    def _message_key(self, learner: int, round_index: int) -> str:
+        fragments = len(self.fragments)
+        return layout.message(learner, round_index, fragment_of_round(round_index, fragments) if fragments > 1 else None)
+
+    def _expected(self, learner: int, round_index: int) -> ExpectedMessage:
+        """What learner `learner`'s message of a round must be, by this learner's own plan."""
+        fragment = self.fragment_of(round_index)
+        return ExpectedMessage(learner=learner, round=round_index, fragment=fragment.number,
+                               tokens=self.spec.learners[learner].tokens_per_round(),
+                               numel=int(fragment.index.numel()), fields=self.mode.fields,
+                               anchor_from_initial=not self.codec.lossless)
