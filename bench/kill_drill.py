@@ -35,6 +35,7 @@ from infra import layout
 from infra.spec import parse_spec
 from infra.store import run_store
 from training.data import prepare_dataset
+from training.ledger import read_summaries
 
 RESULTS = Path("bench/results")
 
@@ -104,12 +105,12 @@ def run_arm(kill: bool, args, log: Log) -> dict:
     consensus = train_islands(spec, run_id, log, restarts=2)
     wall = time.monotonic() - started
     done.set()
-    summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
+    summaries = read_summaries(store, len(spec.learners))
     result = {"arm": arm_name(kill, args), "wall_s": round(wall, 1),
               "bpb": score(spec, store, layout.CONSOLIDATED)["heldout"],
               "max_weight_distance": consensus["max_weight_distance"],
-              "missed_exchanges": [dict(m, learner=s["learner"]) for s in summaries for m in s["missed_exchanges"]],
-              "lives": {s["learner"]: s["lives"] for s in summaries if len(s["lives"]) > 1},
+              "missed_exchanges": [dict(m, learner=s.learner) for s in summaries for m in s.missed_exchanges],
+              "lives": {s.learner: s.lives for s in summaries if len(s.lives) > 1},
               "kill": {"learner": args.kill_learner, "round": args.kill_round} if kill else None}
     shutil.rmtree(Path(store_url) / "runs" / run_id, ignore_errors=True)
     return result

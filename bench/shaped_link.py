@@ -455,6 +455,7 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     from infra.launch import threads_per_process
     from training.baseline import BaselinePlan
     from training.consolidate import consolidate
+    from training.ledger import read_summaries
     from training.model import build_model
 
     run_id, store, manifest = new_run(spec, arm)
@@ -486,23 +487,23 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
         raise errors[0]
     consensus = consolidate(spec, store)
     bpb = score(spec, store, layout.CONSOLIDATED)
-    summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
-    remote = [s for s in summaries if s["island"] != plan.server.island]
-    computing = sum(s["seconds_computing"] for s in summaries)
-    syncing = sum(s["seconds_syncing"] for s in summaries)
+    summaries = read_summaries(store, len(spec.learners))
+    remote = [s for s in summaries if s.island != plan.server.island]
+    computing = sum(s.seconds_computing for s in summaries)
+    syncing = sum(s.seconds_syncing for s in summaries)
     parameters = build_model(spec).parameter_counts()["total"]
     # What the single store placement sends over the link besides the exchanges: the remote island's
     # writes (messages, checkpoints) and its reads of every partner, plus its shards at start-up.
-    payload = {"messages_written": sum(s["bytes_written"] for s in remote),
-               "checkpoints_written": sum(s["checkpoint_bytes"] for s in remote),
-               "messages_read": sum(s["bytes_read_intra"] + s["bytes_read_inter"] for s in remote),
-               "shards_read": sum(shard_bytes[s["learner"]] for s in remote)}
+    payload = {"messages_written": sum(s.bytes_written for s in remote),
+               "checkpoints_written": sum(s.checkpoint_bytes for s in remote),
+               "messages_read": sum(s.bytes_read_intra + s.bytes_read_inter for s in remote),
+               "shards_read": sum(shard_bytes[s.learner] for s in remote)}
     return {
         "run_id": run_id, "sync_mode": spec.sync.mode, "rounds": spec.sync.rounds, "learners": len(summaries),
-        "tokens": sum(s["tokens"] for s in summaries),
+        "tokens": sum(s.tokens for s in summaries),
         "wall_seconds": wall, "learner_wall_seconds": walls,
         "inter_island_bytes_measured": measured,
-        "inter_island_bytes_counted": sum(s["bytes_read_inter"] for s in summaries),
+        "inter_island_bytes_counted": sum(s.bytes_read_inter for s in summaries),
         # What the single store placement sends over the link besides: the remote island's writes
         # (messages, checkpoints) and its reads of every partner, plus its shards at start-up.
         "remote_island_store_payload": payload,
@@ -516,15 +517,15 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
         "utilisation_process_wall": computing / sum(walls.values()),
         "utilisation_round_loop": computing / (computing + syncing),
         "bpb": bpb, "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
-        "missed_exchanges": sum(len(s["missed_exchanges"]) for s in summaries),
+        "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
     }
 
 
-def steady_utilisation(summaries: list[dict], round_ends: dict[int, list[float]]) -> float:
+def steady_utilisation(summaries: list, round_ends: dict[int, list[float]]) -> float:
     """Compute seconds over wall seconds from the end of each learner's first round to the end of its
     last: every inner step, exchange, outer step and checkpoint in between, but not process start-up
     (imports, shards) nor the first round's wait for slower-starting peers."""
-    computing = sum(r["compute_s"] for s in summaries for r in s["rounds"][1:])
+    computing = sum(r["compute_s"] for s in summaries for r in s.rounds[1:])
     wall = sum(ends[-1] - ends[0] for ends in round_ends.values())
     return computing / wall
 

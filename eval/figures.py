@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 
+from training.ledger import LearnerSummary  # noqa: E402
+
 ARM_COLOURS = {"islands": "tab:blue", "standard": "tab:orange"}
 
 
@@ -53,11 +55,11 @@ def communication(comm: dict) -> bytes:
     return _png(fig)
 
 
-def utilisation(summaries: list[dict]) -> bytes:
+def utilisation(summaries: list[LearnerSummary]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(summaries) + 1.5))
-    names = [f"learner {s['learner']} ({s['island']})" for s in summaries]
-    computing = [s["seconds_computing"] for s in summaries]
-    syncing = [s["seconds_syncing"] for s in summaries]
+    names = [f"learner {s.learner} ({s.island})" for s in summaries]
+    computing = [s.seconds_computing for s in summaries]
+    syncing = [s.seconds_syncing for s in summaries]
     ax.barh(names, computing, color="tab:blue", label="computing")
     ax.barh(names, syncing, left=computing, color="tab:red", label="synchronising")
     for y, (c, s) in enumerate(zip(computing, syncing)):

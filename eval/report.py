@@ -7,6 +7,7 @@ import pandas as pd
 from eval.bootstrap import paired_bootstrap
 from infra import layout
 from infra.spec import CorruptObject, RunSpec
+from training.ledger import LearnerSummary
 
 FP32 = 4
 
@@ -25,42 +26,43 @@ def allreduce_equivalent(spec: RunSpec, parameters: int, steps: int) -> dict:
             "intra_island_bytes": round(steps * (n - crossing) * per_link)}
 
 
-def communication(spec: RunSpec, summaries: list[dict], parameters: int, baseline_steps: int) -> dict:
+def communication(spec: RunSpec, summaries: list[LearnerSummary], parameters: int, baseline_steps: int) -> dict:
     equivalent = allreduce_equivalent(spec, parameters, baseline_steps)
-    inter = sum(s["bytes_read_inter"] for s in summaries)
+    inter = sum(s.bytes_read_inter for s in summaries)
     return {
         "inter_island_bytes": inter,
-        "intra_island_bytes": sum(s["bytes_read_intra"] for s in summaries),
-        "bytes_written": sum(s["bytes_written"] for s in summaries),
-        "checkpoint_bytes": sum(s["checkpoint_bytes"] for s in summaries),
+        "intra_island_bytes": sum(s.bytes_read_intra for s in summaries),
+        "bytes_written": sum(s.bytes_written for s in summaries),
+        "checkpoint_bytes": sum(s.checkpoint_bytes for s in summaries),
         "allreduce_equivalent_bytes": equivalent["inter_island_bytes"],
         "allreduce_equivalent_intra_bytes": equivalent["intra_island_bytes"],
         "inter_island_reduction": (equivalent["inter_island_bytes"] / inter) if inter else None,
-        "per_learner": [{k: s[k] for k in ("learner", "island", "bytes_written", "bytes_read_intra",
-                                            "bytes_read_inter", "checkpoint_bytes")} for s in summaries],
+        "per_learner": [{"learner": s.learner, "island": s.island, "bytes_written": s.bytes_written,
+                         "bytes_read_intra": s.bytes_read_intra, "bytes_read_inter": s.bytes_read_inter,
+                         "checkpoint_bytes": s.checkpoint_bytes} for s in summaries],
         "link_classes": link_classes(summaries),
         "per_fragment": fragment_bytes(summaries),
     }
 
 
-def link_classes(summaries: list[dict]) -> dict:
+def link_classes(summaries: list[LearnerSummary]) -> dict:
     """Each link class's transport counters, summed over learners (messages only, not checkpoints)."""
     totals: dict[str, dict] = {}
     for s in summaries:
-        for link, counters in s.get("links", {}).items():
+        for link, counters in s.links.items():
             for name, value in counters.items():
                 totals.setdefault(link, {}).setdefault(name, 0)
                 totals[link][name] += value
     return totals
 
 
-def fragment_bytes(summaries: list[dict]) -> list[dict]:
+def fragment_bytes(summaries: list[LearnerSummary]) -> list[dict]:
     """Per fragment: its size, how many rounds exchanged it, and the bytes all learners sent and
     received in such a round (the peak traffic of a round is the largest fragment's)."""
-    sizes = next((s["fragment_sizes"] for s in summaries if s.get("fragment_sizes")), [])
+    sizes = next((s.fragment_sizes for s in summaries if s.fragment_sizes), [])
     rows = []
     for fragment, parameters in enumerate(sizes):
-        exchanges = [e for s in summaries for e in s.get("exchanges", []) if e["fragment"] == fragment]
+        exchanges = [e for s in summaries for e in s.exchanges if e["fragment"] == fragment]
         rounds = len({e["round"] for e in exchanges})
         rows.append({"fragment": fragment, "parameters": parameters, "rounds": rounds,
                      "bytes_sent_per_round": sum(e["bytes_sent"] for e in exchanges) / rounds if rounds else 0,
@@ -68,11 +70,11 @@ def fragment_bytes(summaries: list[dict]) -> list[dict]:
     return rows
 
 
-def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summaries: list[dict],
+def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summaries: list[LearnerSummary],
                  baseline: dict, parameters: dict, wall_seconds: float) -> dict:
-    islands_tokens = sum(s["tokens"] for s in summaries)
-    computing = sum(s["seconds_computing"] for s in summaries)
-    syncing = sum(s["seconds_syncing"] for s in summaries)
+    islands_tokens = sum(s.tokens for s in summaries)
+    computing = sum(s.seconds_computing for s in summaries)
+    syncing = sum(s.seconds_syncing for s in summaries)
     return {
         "run_id": run_id,
         "sync_mode": spec.sync.mode,
@@ -83,7 +85,7 @@ def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summa
         "communication": communication(spec, summaries, parameters["total"], baseline["steps"]),
         "consensus": consensus,
         "utilization": computing / (computing + syncing) if computing + syncing else None,
-        "seconds_blocked_on_link": sum(s.get("seconds_blocked", 0.0) for s in summaries),
+        "seconds_blocked_on_link": sum(s.seconds_blocked for s in summaries),
         "wall_seconds": wall_seconds,
     }
 
@@ -139,7 +141,7 @@ def evaluation_table(report: dict) -> pd.DataFrame:
                          for name, e in report["evals"].items()])
 
 
-def fault_report(spec: RunSpec, summaries: list[dict], checkpointed_rounds: dict[int, int],
+def fault_report(spec: RunSpec, summaries: list[LearnerSummary], checkpointed_rounds: dict[int, int],
                  fault_markers: list[str]) -> dict:
     """What went wrong during the run and what it cost, injected or not.
 
@@ -152,28 +154,28 @@ def fault_report(spec: RunSpec, summaries: list[dict], checkpointed_rounds: dict
     """
     store_faults: dict[str, int] = {}
     for s in summaries:
-        for kind, count in s["store_faults_injected"].items():
+        for kind, count in s.store_faults_injected.items():
             store_faults[kind] = store_faults.get(kind, 0) + count
     injected = {"kill_learner": layout.count_fault_markers(fault_markers, layout.KILLED_LEARNER),
                 "stage_failures": layout.count_fault_markers(fault_markers, layout.FAILED_STAGE),
                 "corrupt_object": len(spec.faults_of(CorruptObject)), **{f"store_{k}": v for k, v in store_faults.items()}}
-    restarts = {s["learner"]: restarted_lives(s["lives"]) for s in summaries}
-    skipped = {s["learner"]: sum(len(life["skipped_rounds"]) for life in s["lives"]) for s in summaries}
+    restarts = {s.learner: restarted_lives(s.lives) for s in summaries}
+    skipped = {s.learner: sum(len(life["skipped_rounds"]) for life in s.lives) for s in summaries}
     return {
         "injected": {k: v for k, v in injected.items() if v},
         "failures": {
             "restarts": sum(len(lives) for lives in restarts.values()),
-            "rejoined_from_peer": sum(1 for s in summaries for life in s["lives"]
-                                      if (life["resumed_from"] or {}).get("learner", s["learner"]) != s["learner"]),
+            "rejoined_from_peer": sum(1 for s in summaries for life in s.lives
+                                      if (life["resumed_from"] or {}).get("learner", s.learner) != s.learner),
             "rounds_skipped": sum(skipped.values()),
             "tokens_skipped": sum(n * spec.learners[learner].tokens_per_round() for learner, n in skipped.items()),
         },
         "recovered": sum(1 for lives in restarts.values() if lives),
         "rounds_lost": sum(spec.sync.rounds - n for n in checkpointed_rounds.values()),
-        "corrupt_reads_detected": sum(s["corrupt_reads_detected"] for s in summaries),
-        "missed_exchanges": sum(len(s["missed_exchanges"]) for s in summaries),
-        "store_retries": sum(s["store"]["retries"] for s in summaries),
-        "rejoined": {str(s["learner"]): s["rejoined_from"] for s in summaries if s["rejoined_from"]},
+        "corrupt_reads_detected": sum(s.corrupt_reads_detected for s in summaries),
+        "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
+        "store_retries": sum(s.store["retries"] for s in summaries),
+        "rejoined": {str(s.learner): s.rejoined_from for s in summaries if s.rejoined_from},
     }
 
 

@@ -17,6 +17,7 @@ from infra.spec import RunSpec
 from infra.store import run_store
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
+from training.ledger import read_summaries
 from training.model import build_model
 
 
@@ -36,7 +37,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
                    wall_seconds: float) -> dict:
     fail_once_if_asked(spec, run_id, "report")
     store = run_store(spec.store, run_id)
-    summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
+    summaries = read_summaries(store, len(spec.learners))
     checkpointed = {s.index: len(layout.checkpoint_rounds(store.list(layout.learner_prefix(s.index))))
                     for s in spec.learners}
     report = build_report(spec, run_id, evals, consensus, summaries, baseline,
@@ -69,7 +70,7 @@ def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list
     local folder or a private bucket the browser cannot read.
     """
     store = run_store(spec.store, run_id)
-    summaries = [store.get_json(layout.learner_summary(s.index)) for s in spec.learners]
+    summaries = read_summaries(store, len(spec.learners))
     pngs = {"bpb-vs-tokens": (figures.bpb_versus_tokens(curve, CURVE_EVAL_BYTES),
                               "Bits per byte versus tokens, islands and standard"),
             "communication": (figures.communication(communication),

@@ -11,6 +11,7 @@ from infra.spec import parse_spec
 from infra.store import ObjectStore
 from training.data import prepare_dataset
 from training.learner import Learner
+from training.ledger import read_summaries
 from training.params import flat_parameters
 
 
@@ -149,7 +150,7 @@ def test_the_fault_report_counts_a_restart_the_same_whether_injected_or_not(run)
     restarted = Learner(spec, store, 0)
     restarted.resume()
     restarted.run()
-    summaries = [store.get_json(layout.learner_summary(i)) for i in range(2)]
+    summaries = read_summaries(store, 2)
     faults = fault_report(spec, summaries, {0: 0, 1: 4}, store.list("faults"))
     assert faults["injected"] == {}
     assert faults["failures"] == {"restarts": 1, "rejoined_from_peer": 1, "rounds_skipped": 4,

@@ -120,7 +120,7 @@ def test_a_poisoned_message_is_refused_before_it_is_mixed():
     assert bool(torch.isfinite(new).all())
 
 
-def test_all_reduce_takes_every_peer_inter_island_first_and_sends_only_the_pseudo_gradient():
+def test_all_reduce_mixes_every_peer_and_sends_only_the_pseudo_gradient():
     spec, transport = spec_of("allreduce", islands=3), FakeTransport()
     group = exchangers(spec, transport)
     weights = [moved(group[0].initial, seed) for seed in (1, 2, 3)]

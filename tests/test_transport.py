@@ -142,14 +142,16 @@ def test_counters_survive_a_restart_through_their_report(tmp_path):
 
 def test_report_sums_link_classes_and_gives_bytes_per_round_of_each_fragment():
     from eval.report import fragment_bytes, link_classes
+    from training.ledger import LearnerSummary
 
-    summaries = [{"fragment_sizes": [10, 8],
-                  "links": {"inter": {"bytes_read": 5, "seconds_paced": 1.0}, "intra": {"bytes_read": 1, "seconds_paced": 0}},
-                  "exchanges": [{"round": 0, "fragment": 0, "bytes_sent": 40, "bytes_received": 40},
+    summaries = [LearnerSummary(
+                     fragment_sizes=[10, 8],
+                     links={"inter": {"bytes_read": 5, "seconds_paced": 1.0}, "intra": {"bytes_read": 1, "seconds_paced": 0}},
+                     exchanges=[{"round": 0, "fragment": 0, "bytes_sent": 40, "bytes_received": 40},
                                 {"round": 1, "fragment": 1, "bytes_sent": 32, "bytes_received": 30},
-                                {"round": 2, "fragment": 0, "bytes_sent": 40, "bytes_received": 40}]},
-                 {"links": {"inter": {"bytes_read": 7, "seconds_paced": 0.5}},
-                  "exchanges": [{"round": 0, "fragment": 0, "bytes_sent": 40, "bytes_received": 40}]}]
+                                {"round": 2, "fragment": 0, "bytes_sent": 40, "bytes_received": 40}]),
+                 LearnerSummary(links={"inter": {"bytes_read": 7, "seconds_paced": 0.5}},
+                                exchanges=[{"round": 0, "fragment": 0, "bytes_sent": 40, "bytes_received": 40}])]
     assert link_classes(summaries) == {"inter": {"bytes_read": 12, "seconds_paced": 1.5},
                                        "intra": {"bytes_read": 1, "seconds_paced": 0}}
     assert fragment_bytes(summaries) == [

@@ -5,28 +5,15 @@ Run as its own OS process: `python -m training.learner --store URL --run-id RUN 
 or under `torchrun` when the learner is data-parallel over several processes. Rank 0 owns all
 store traffic; the other ranks only compute, and receive each round's new weights by broadcast.
 
-A round: take H AdamW steps from the anchor θ to x, send the round's fragment's (θ, Δ = θ − x)
-(see `training.fragments`; one fragment is the whole model), receive what the round's peers
-sent, mix (see `training.mixing`), take an outer step on the fragment, checkpoint. Sending and
-receiving run on the learner's transport thread (`infra.transport`); the mix is applied
-`sync.transport.tau` inner steps later, keeping the local progress made meanwhile:
-x_f <- θ'_f + (x_f(now) − x_f(sent)). With tau 0 the learner waits for it at once. Messages may
-be compressed with error feedback (`training.compression`).
-
-The checkpoint of round t is the learner's whole state, so a restarted learner resumes from its
-newest checkpoint. An exchange still in flight when the checkpoint is written is part of that
-state: the checkpoint holds the anchors, weights and error-feedback residual the message was
-encoded from, none of them yet touched by its mix. A learner that dies with an exchange in flight
-restarts it from the checkpoint: it re-encodes the same message (re-sending identical bytes is a
-no-op for write-once objects; if a dead life committed a different message, that one is what
-peers saw and is what the learner mixes with and charges its residual against), fetches the
-partner's message again, and applies the mix at the same point, so the mix is applied exactly
-once. A learner that rejoins from a peer's checkpoint drops the peer's in-flight exchange and
-starts with an empty residual: both belong to the peer.
-
-With `sync.transport.checkpoint_in_background` the checkpoint is a copy of that state written by
-the transport thread, after the exchanges queued before it, while the next round computes; a
-learner finishes one before it starts the next and before it exits or pauses.
+A round: H AdamW steps from the anchor, then this round's fragment goes to the exchanger
+(`training.sync`), which sends and receives on the transport thread while the next round
+computes; the exchange is applied `sync.transport.tau` inner steps later (at once with tau 0).
+Then a checkpoint of the whole state (`training.state`), an exchange in flight included, so a
+restarted learner resumes from it and applies that exchange exactly once. With
+`sync.transport.checkpoint_in_background` the checkpoint is a copy written by the transport
+thread while the next round computes; a learner finishes one before it starts the next and
+before it exits or pauses. Capacity windows: a learner stops before a round that would not end
+inside its window, and the next window's segment resumes it.
 """
 
 from __future__ import annotations
@@ -54,7 +41,7 @@ from infra.transport import Transport
 from training.data import WindowSampler, read_stream
 from training.events import emit
 from training.inner import inner_optimizer, optimizer_step
-from training.ledger import Ledger
+from training.ledger import Ledger, LearnerSummary
 from training.model import build_model
 from training.params import flat_parameters, load_flat_parameters, unflatten_into
 from training.schedule import learning_rate
@@ -283,22 +270,13 @@ class Learner:
 
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
-        ledger = self.ledger
-        summary = {"learner": self.slot.index, "island": self.slot.island.name, "processes": self.world,
-                   # Rounds this learner completed in all its lives; rounds skipped by rejoining are not compute.
-                   "tokens": self.slot.tokens_per_round() * len(ledger.rounds),
-                   "bytes_written": ledger.written, "bytes_read_intra": ledger.read_intra,
-                   "bytes_read_inter": ledger.read_inter, "checkpoint_bytes": ledger.checkpoint,
-                   "seconds_computing": ledger.seconds_computing,
-                   "seconds_syncing": ledger.seconds_syncing, "rounds": ledger.rounds,
-                   "rejoined_from": self.rejoined_from, "missed_exchanges": ledger.missed_exchanges,
-                   "corrupt_reads_detected": ledger.corrupt_reads, "store": dict(self.store.stats),
-                   "seconds_blocked": ledger.seconds_blocked, "exchanges": ledger.exchanges,
-                   "links": self.transport.report(), "fragment_sizes": self.exchanger.layout.sizes,
-                   "store_faults_injected": dict(getattr(self.store.fs, "counts", {})),
-                   "lives": self.lives.of(self.slot.index)}
+        summary = LearnerSummary.of(
+            self.ledger, self.slot.tokens_per_round(), learner=self.slot.index, island=self.slot.island.name,
+            processes=self.world, rejoined_from=self.rejoined_from, lives=self.lives.of(self.slot.index),
+            links=self.transport.report(), fragment_sizes=self.exchanger.layout.sizes, store=dict(self.store.stats),
+            store_faults_injected=dict(getattr(self.store.fs, "counts", {})))
         if not self.store.exists(key):
-            self.store.put_json(key, summary)
+            self.store.put_json(key, summary.to_json())
         emit("done", learner=self.slot.index)
 
     # -- capacity windows -----------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from infra import layout
+
 
 @dataclass
 class Ledger:
@@ -50,3 +52,48 @@ class Ledger:
     def load_state_dict(self, state: dict) -> None:
         for name, value in Ledger(**state).__dict__.items():
             setattr(self, name, value)
+
+
+@dataclass
+class LearnerSummary:
+    """What a learner that trained every round writes once at the end (`layout.learner_summary`):
+    the contract the report, its figures and the benchmarks read."""
+
+    learner: int = 0
+    island: str = ""
+    processes: int = 1
+    tokens: int = 0  # of the rounds it trained in all its lives; rounds skipped by rejoining are not compute
+    bytes_written: int = 0
+    bytes_read_intra: int = 0
+    bytes_read_inter: int = 0
+    checkpoint_bytes: int = 0
+    seconds_computing: float = 0.0
+    seconds_syncing: float = 0.0
+    seconds_blocked: float = 0.0
+    rounds: list[dict] = field(default_factory=list)
+    exchanges: list[dict] = field(default_factory=list)
+    missed_exchanges: list[dict] = field(default_factory=list)
+    corrupt_reads_detected: int = 0
+    rejoined_from: dict | None = None
+    lives: list[dict] = field(default_factory=list)
+    links: dict = field(default_factory=dict)
+    fragment_sizes: list[int] = field(default_factory=list)
+    store: dict = field(default_factory=dict)  # the store client's request, retry and byte counters
+    store_faults_injected: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, ledger: Ledger, tokens_per_round: int, **rest) -> "LearnerSummary":
+        return cls(tokens=tokens_per_round * len(ledger.rounds), bytes_written=ledger.written,
+                   bytes_read_intra=ledger.read_intra, bytes_read_inter=ledger.read_inter,
+                   checkpoint_bytes=ledger.checkpoint, seconds_computing=ledger.seconds_computing,
+                   seconds_syncing=ledger.seconds_syncing, seconds_blocked=ledger.seconds_blocked,
+                   rounds=ledger.rounds, exchanges=ledger.exchanges, missed_exchanges=ledger.missed_exchanges,
+                   corrupt_reads_detected=ledger.corrupt_reads, **rest)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def read_summaries(store, learners: int) -> list[LearnerSummary]:
+    """Every learner's summary from a run's store."""
+    return [LearnerSummary(**store.get_json(layout.learner_summary(i))) for i in range(learners)]
