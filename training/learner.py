@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -32,14 +31,14 @@ import torch
 import torch.distributed as dist
 
 from infra import layout
-from infra.faults import StoreFaults
 from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
-from infra.spec import CloseWindow, CorruptObject, KillLearner, LearnerSlot, RunSpec, StoreErrors
+from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
 from infra.transport import Transport
 from training.data import WindowSampler, read_stream
 from training.events import emit
+from training.faults import LearnerFaults, store_faults
 from training.inner import inner_optimizer, optimizer_step
 from training.ledger import Ledger, LearnerSummary
 from training.model import build_model
@@ -66,8 +65,9 @@ class Learner:
         self.transport = Transport(store, settings.chunk_bytes,
                                    {"inter": settings.bandwidth.inter_island, "intra": settings.bandwidth.intra_island})
         self.lives = Lives(store)
+        self.faults = LearnerFaults(spec, store, index)
         self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, flat_parameters(self.model).cpu(),
-                                   skipped=self.lives.skipped_by, before_publish=self._maybe_corrupt)
+                                   skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
         self.ledger = Ledger()
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.device)
         self.pending: Exchange | None = None
@@ -217,8 +217,8 @@ class Learner:
             losses.append(loss.item())
             if self.pending is not None and self.exchanger.due(h + 1):
                 self._apply_pending()
-            if h == island.inner_steps // 2:
-                self._maybe_die(round_index)
+            if h == island.inner_steps // 2 and self.rank == 0:
+                self.faults.maybe_die(round_index)
         return sum(losses) / len(losses)
 
     def _average_gradients(self) -> None:
@@ -289,55 +289,21 @@ class Learner:
             dist.broadcast(fits, src=0)
         return bool(fits.item())
 
+    def _window_cut_short(self, round_index: int) -> bool:
+        """Fault injection: the capacity window ends right after this round; rank 0 decides for its group."""
+        if not self.faults.closes_windows():
+            return False
+        cut = torch.tensor(int(self.rank == 0 and self.faults.window_closes_after(round_index)), device=self.device)
+        if self.world > 1:
+            dist.broadcast(cut, src=0)
+        return bool(cut.item())
+
     def _window_closed(self, next_round: int, until: str) -> None:
         self.finish_checkpoint()
         if self.rank == 0:
             self.lives.record_pause(self.slot.index, self.life, next_round)
             emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=next_round,
                  rounds=self.spec.sync.rounds, until=until)
-
-    # -- fault injection ------------------------------------------------------------------------------
-
-    def _window_cut_short(self, round_index: int) -> bool:
-        """The capacity window ends right after this round, once (a marker remembers it)."""
-        if not self.spec.faults_of(CloseWindow):
-            return False
-        cut = torch.tensor(0, device=self.device)
-        if self.rank == 0 and self.spec.fault_at(CloseWindow, self.slot.index, round_index):
-            cut.fill_(int(self._strike_once(layout.CLOSED_WINDOW, round_index)))
-        if self.world > 1:
-            dist.broadcast(cut, src=0)
-        return bool(cut.item())
-
-    def _maybe_die(self, round_index: int) -> None:
-        """Die by SIGKILL mid-round, once."""
-        if self.rank == 0 and self.spec.fault_at(KillLearner, self.slot.index, round_index) \
-                and self._strike_once(layout.KILLED_LEARNER, round_index):
-            emit("fault", learner=self.slot.index, kind="kill_learner", round=round_index)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    def _maybe_corrupt(self, round_index: int) -> None:
-        """The round's message is written corrupt (called on the transport thread just before the write)."""
-        if self.spec.fault_at(CorruptObject, self.slot.index, round_index):
-            self.store.corrupt_next_write()
-            emit("fault", learner=self.slot.index, kind="corrupt_object", round=round_index)
-
-    def _strike_once(self, kind: str, round_index: int) -> bool:
-        """Whether an injected fault strikes now: only the first time, which its marker in the store remembers."""
-        marker = layout.fault_marker(kind, self.slot.index, round_index)
-        if self.store.exists(marker):
-            return False
-        self.store.put_json(marker, {"learner": self.slot.index, "round": round_index})
-        return True
-
-
-def store_faults(spec: RunSpec, learner: int) -> StoreFaults | None:
-    """The run's injected store faults, seeded per learner so each sees its own sequence."""
-    errors = spec.faults_of(StoreErrors)
-    if not errors:
-        return None
-    e = errors[0]
-    return StoreFaults(e.rate, tuple(e.kinds), slow_seconds=e.slow_seconds, seed=spec.seed * 1000 + learner)
 
 
 def main(argv: list[str] | None = None) -> int:

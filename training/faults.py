@@ -1,0 +1,54 @@
+"""The faults a run spec injects into a learner (`faults:` in the spec): a SIGKILL mid-round, a
+corrupt message, a capacity window that closes early, a flaky store. Each strikes once: a
+marker in the store remembers it, so the restarted learner trains on."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from infra import layout
+from infra.faults import StoreFaults
+from infra.spec import CloseWindow, CorruptObject, KillLearner, RunSpec, StoreErrors
+from infra.store import ObjectStore
+from training.events import emit
+
+
+def store_faults(spec: RunSpec, learner: int) -> StoreFaults | None:
+    """The run's injected store faults, seeded per learner so each sees its own sequence."""
+    errors = spec.faults_of(StoreErrors)
+    if not errors:
+        return None
+    e = errors[0]
+    return StoreFaults(e.rate, tuple(e.kinds), slow_seconds=e.slow_seconds, seed=spec.seed * 1000 + learner)
+
+
+class LearnerFaults:
+    def __init__(self, spec: RunSpec, store: ObjectStore, learner: int):
+        self.spec, self.store, self.learner = spec, store, learner
+
+    def closes_windows(self) -> bool:
+        return bool(self.spec.faults_of(CloseWindow))
+
+    def window_closes_after(self, round_index: int) -> bool:
+        return self.spec.fault_at(CloseWindow, self.learner, round_index) is not None and \
+            self._strike_once(layout.CLOSED_WINDOW, round_index)
+
+    def maybe_die(self, round_index: int) -> None:
+        if self.spec.fault_at(KillLearner, self.learner, round_index) and \
+                self._strike_once(layout.KILLED_LEARNER, round_index):
+            emit("fault", learner=self.learner, kind="kill_learner", round=round_index)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def maybe_corrupt(self, round_index: int) -> None:
+        """The round's message is written corrupt (called on the transport thread just before the write)."""
+        if self.spec.fault_at(CorruptObject, self.learner, round_index):
+            self.store.corrupt_next_write()
+            emit("fault", learner=self.learner, kind="corrupt_object", round=round_index)
+
+    def _strike_once(self, kind: str, round_index: int) -> bool:
+        marker = layout.fault_marker(kind, self.learner, round_index)
+        if self.store.exists(marker):
+            return False
+        self.store.put_json(marker, {"learner": self.learner, "round": round_index})
+        return True
