@@ -54,7 +54,7 @@ def test_restart_resumes_from_own_checkpoint_and_skips_uncommitted_or_corrupt_on
     again.resume()
     assert again.start_round == 2 and again.rejoined_from == {"learner": 0, "round": 1}
     assert torch.equal(flat_parameters(again.model), flat_parameters(first.model))
-    assert again.ledger.written == first.ledger.written > 0  # counters survive the restart
+    assert again.ledger.bytes_written == first.ledger.bytes_written > 0  # counters survive the restart
     assert [r["round"] for r in again.ledger.rounds] == [0, 1]
 
 

@@ -255,7 +255,7 @@ class Learner:
         tensors, meta = self.state.state_dict(self.pending)
         key, meta = layout.checkpoint(self.slot.index, t), {**meta, "round": t}
         if not self.spec.sync.transport.checkpoint_in_background:
-            self.ledger.checkpoint += self.store.commit_tensors(key, tensors, meta)
+            self.ledger.checkpoint_bytes += self.store.commit_tensors(key, tensors, meta)
             return
         self.finish_checkpoint()  # at most one in flight
         # Training goes on changing the state while the write runs: the checkpoint gets its own copy.
@@ -266,7 +266,7 @@ class Learner:
         """Wait for a checkpoint still being written in the background; its errors surface here."""
         if self._checkpoint_in_flight is not None:
             written, self._checkpoint_in_flight = self._checkpoint_in_flight, None
-            self.ledger.checkpoint += written.result()
+            self.ledger.checkpoint_bytes += written.result()
 
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)

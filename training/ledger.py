@@ -15,17 +15,17 @@ from infra import layout
 
 @dataclass
 class Ledger:
-    written: int = 0
-    read_intra: int = 0
-    read_inter: int = 0
-    checkpoint: int = 0
+    bytes_written: int = 0  # messages
+    bytes_read_intra: int = 0
+    bytes_read_inter: int = 0
+    checkpoint_bytes: int = 0
     seconds_computing: float = 0.0
     seconds_syncing: float = 0.0
+    seconds_blocked: float = 0.0  # waiting for an exchange still on the link
     rounds: list[dict] = field(default_factory=list)
-    missed_exchanges: list[dict] = field(default_factory=list)
-    corrupt_reads: int = 0
-    seconds_blocked: float = 0.0
     exchanges: list[dict] = field(default_factory=list)
+    missed_exchanges: list[dict] = field(default_factory=list)
+    corrupt_reads_detected: int = 0
     links: dict = field(default_factory=dict)  # the transport's per-link counters, as of the last checkpoint
 
     def book_round(self, round_index: int, fragment: int, loss: float, compute_s: float, sync_s: float) -> None:
@@ -36,10 +36,10 @@ class Ledger:
 
     def book_exchange(self, round_index: int, fragment: int, result, blocked_s: float) -> None:
         """What an applied exchange (a `training.sync.ExchangeResult`) sent, read and missed."""
-        self.written += result.bytes_sent
-        self.read_intra += result.bytes_read["intra"]
-        self.read_inter += result.bytes_read["inter"]
-        self.corrupt_reads += result.corrupt_reads
+        self.bytes_written += result.bytes_sent
+        self.bytes_read_intra += result.bytes_read["intra"]
+        self.bytes_read_inter += result.bytes_read["inter"]
+        self.corrupt_reads_detected += result.corrupt_reads
         self.missed_exchanges.extend(result.missed)
         self.seconds_blocked += blocked_s
         self.exchanges.append({"round": round_index, "fragment": fragment, "bytes_sent": result.bytes_sent,
@@ -55,40 +55,23 @@ class Ledger:
 
 
 @dataclass
-class LearnerSummary:
+class LearnerSummary(Ledger):
     """What a learner that trained every round writes once at the end (`layout.learner_summary`):
-    the contract the report, its figures and the benchmarks read."""
+    its ledger and who it was. The contract the report, its figures and the benchmarks read."""
 
     learner: int = 0
     island: str = ""
     processes: int = 1
     tokens: int = 0  # of the rounds it trained in all its lives; rounds skipped by rejoining are not compute
-    bytes_written: int = 0
-    bytes_read_intra: int = 0
-    bytes_read_inter: int = 0
-    checkpoint_bytes: int = 0
-    seconds_computing: float = 0.0
-    seconds_syncing: float = 0.0
-    seconds_blocked: float = 0.0
-    rounds: list[dict] = field(default_factory=list)
-    exchanges: list[dict] = field(default_factory=list)
-    missed_exchanges: list[dict] = field(default_factory=list)
-    corrupt_reads_detected: int = 0
     rejoined_from: dict | None = None
     lives: list[dict] = field(default_factory=list)
-    links: dict = field(default_factory=dict)
     fragment_sizes: list[int] = field(default_factory=list)
     store: dict = field(default_factory=dict)  # the store client's request, retry and byte counters
     store_faults_injected: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, ledger: Ledger, tokens_per_round: int, **rest) -> "LearnerSummary":
-        return cls(tokens=tokens_per_round * len(ledger.rounds), bytes_written=ledger.written,
-                   bytes_read_intra=ledger.read_intra, bytes_read_inter=ledger.read_inter,
-                   checkpoint_bytes=ledger.checkpoint, seconds_computing=ledger.seconds_computing,
-                   seconds_syncing=ledger.seconds_syncing, seconds_blocked=ledger.seconds_blocked,
-                   rounds=ledger.rounds, exchanges=ledger.exchanges, missed_exchanges=ledger.missed_exchanges,
-                   corrupt_reads_detected=ledger.corrupt_reads, **rest)
+        return cls(**{**ledger.state_dict(), **rest}, tokens=tokens_per_round * len(ledger.rounds))
 
     def to_json(self) -> dict:
         return asdict(self)
