@@ -399,14 +399,23 @@ def build_table(results: dict[str, dict]) -> dict:
     return table
 
 
+def relative_cell(row: dict, baseline: str) -> str:
+    """Mean ± sd over seeds of the relative difference, then its 95% bootstrap interval over documents."""
+    if f"relative_to_{baseline}" not in row:
+        return "-"
+    mean, sd = spread(row[f"relative_to_{baseline}"])
+    low, high = row[f"bootstrap_ci_to_{baseline}"]
+    return f"{100 * mean:+.2f}% ± {100 * sd:.2f} [{100 * low:+.2f}, {100 * high:+.2f}]"
+
+
 def table_markdown(table: dict, results: dict[str, dict]) -> str:
     settings = table["baseline_settings"]
     b = settings["b"]
     lines = ["# Quality at equal tokens", "",
              "Bits per byte on the held-out documents, mean ± sd over seeds 0, 1, 2. Relative = islands / "
-             "baseline − 1 per seed, mean ± sd (negative: islands better); the interval is a paired bootstrap "
-             "over the held-out documents (10,000 resamples, bits summed over the seeds) of the mean's relative "
-             "difference. Every arm trains " + " / ".join(f"{t:,}" for t in table["tokens"]) + " tokens.", "",
+             "baseline − 1 per seed, mean ± sd (negative: islands better), then in brackets the 95% interval "
+             "(in %) of a paired bootstrap over the held-out documents (10,000 resamples, bits summed over the "
+             "seeds) of the mean's relative difference. Every arm trains " + " / ".join(f"{t:,}" for t in table["tokens"]) + " tokens.", "",
              f"- (a) standard training at the islands' global batch {ISLANDS_GLOBAL_BATCH}, learning rate "
              f"{settings['a']['lr']} (best of its sweep on the validation split)",
              f"- (b) standard training at its best global batch: " +
@@ -414,19 +423,14 @@ def table_markdown(table: dict, results: dict[str, dict]) -> str:
              "- (c) one learner (M=1) with the family's inner and outer optimizer, round length and schedule"]
     for family in table["families"].values():
         lines += ["", f"## {family['title']}", "",
-                  "| evaluation | (a) | (b) | (c) | islands | islands vs (a) | 95% interval vs (a) | vs (b) | vs (c) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| evaluation | (a) | (b) | (c) | islands | islands vs (a) | vs (b) | vs (c) |",
+                  "|---|---|---|---|---|---|---|---|"]
         for evaluation, row in family.items():
             if evaluation == "title":
                 continue
             cells = [f"{m:.4f} ± {s:.4f}" if v else "-" for v in (*row["baselines"].values(), row["islands"])
                      for m, s in [spread(v) if v else (0, 0)]]
-            relative = [f"{100 * spread(row[f'relative_to_{k}'])[0]:+.2f}% ± {100 * spread(row[f'relative_to_{k}'])[1]:.2f}"
-                        if f"relative_to_{k}" in row else "-" for k in "abc"]
-            ci = row.get("bootstrap_ci_to_a")
-            interval = f"[{100 * ci[0]:+.2f}%, {100 * ci[1]:+.2f}%]" if ci else "-"
-            lines.append(f"| {evaluation} | " + " | ".join(cells) + f" | {relative[0]} | {interval} | "
-                         f"{relative[1]} | {relative[2]} |")
+            lines.append(f"| {evaluation} | " + " | ".join(cells + [relative_cell(row, k) for k in "abc"]) + " |")
     documents = next(iter(results.values()), {}).get("heldout_documents", {})
     if documents:
         lines += ["", "Held-out sets: " + ", ".join(f"{name} {len(d['ids'])} documents, {sum(d['bytes']):,} bytes"
@@ -457,11 +461,29 @@ def tuning_markdown(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_BEGIN = "<!-- quality-table: written by `python -m bench.quality --table` from bench/results/quality -->"
+README_END = "<!-- /quality-table -->"
+
+
+def splice_into_readme(markdown: str, readme: Path = README) -> None:
+    """Put the table (less its title, its headings under the README's quality section) between the
+    README's markers, so the README's figures are the result files' own."""
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        return
+    body = "\n".join(f"#### {line[3:]}" if line.startswith("## ") else line for line in markdown.splitlines()[1:])
+    head, rest = text.split(README_BEGIN, 1)
+    readme.write_text(f"{head}{README_BEGIN}\n{body.strip()}\n{README_END}{rest.split(README_END, 1)[1]}")
+
+
 def write_tables(log: Log | None = None) -> None:
     results = load_results()
     table = build_table(results)
     (RESULTS / "table.json").write_text(json.dumps(table, indent=1))
-    (RESULTS / "table.md").write_text(table_markdown(table, results))
+    markdown = table_markdown(table, results)
+    (RESULTS / "table.md").write_text(markdown)
+    splice_into_readme(markdown)
     (RESULTS / "tuning.md").write_text(tuning_markdown(results))
     if log:
         log(f"tables written: {RESULTS / 'table.md'}")

@@ -3,7 +3,8 @@ best (no training: finished arms are stood in for by their validation scores).""
 
 import pytest
 
-from bench.quality import (FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, SEEDS, Arm, plan)
+from bench.quality import (FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, README_BEGIN, README_END, SEEDS, Arm,
+                           plan, splice_into_readme)
 from training.model import build_model
 
 
@@ -81,3 +82,10 @@ def test_a_standard_arm_sets_the_baseline_it_is_named_for(field):
     spec = Arm("standard", 1, lr=7e-3, batch=24).spec()
     assert spec.baseline.lr == 7e-3 and spec.baseline.global_batch == 24
     assert spec.seed == 1
+
+
+def test_the_readme_table_is_replaced_between_its_markers_and_nothing_else(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\nbefore\n{README_BEGIN}\nold table\n{README_END}\nafter\n")
+    splice_into_readme("# Quality\n\nintro\n\n## a family\n\n| x |\n", readme)
+    assert readme.read_text() == f"# Title\nbefore\n{README_BEGIN}\nintro\n\n#### a family\n\n| x |\n{README_END}\nafter\n"
