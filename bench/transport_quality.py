@@ -22,6 +22,8 @@ from eval.report import communication
 from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
+from training.baseline import BaselinePlan
+from training.ledger import read_summaries
 from training.model import build_model
 
 
@@ -29,27 +31,20 @@ def measure(store: ObjectStore, run_id: str) -> dict:
     run = store.child(f"runs/{run_id}")
     spec = RunSpec.model_validate(run.get_json(layout.SPEC))
     transport = spec.sync.transport
-    summaries = [run.get_json(layout.learner_summary(s.index)) for s in spec.learners]
-    baseline_steps = _baseline_steps(spec)
-    comm = communication(spec, summaries, build_model(spec).parameter_counts()["total"], baseline_steps)
-    computing = sum(s["seconds_computing"] for s in summaries)
-    syncing = sum(s["seconds_syncing"] for s in summaries)
+    summaries = read_summaries(run, len(spec.learners))
+    comm = communication(spec, summaries, build_model(spec).parameter_counts()["total"], BaselinePlan.of(spec).steps)
+    computing = sum(s.seconds_computing for s in summaries)
+    syncing = sum(s.seconds_syncing for s in summaries)
     return {"run_id": run_id, "compression": transport.compression, "fragments": transport.fragments,
             "tau": transport.tau, "error_feedback": transport.error_feedback, "topk": transport.topk,
             "bpb": {name: result["bpb"] for name, result in evaluate_model(spec, run, layout.CONSOLIDATED).items()},
             "inter_island_bytes": comm["inter_island_bytes"], "intra_island_bytes": comm["intra_island_bytes"],
             "allreduce_equivalent_bytes": comm["allreduce_equivalent_bytes"],
             "inter_island_reduction": comm["inter_island_reduction"], "per_fragment": comm["per_fragment"],
-            "link_classes": comm["link_classes"], "utilization": computing / (computing + syncing),
-            "seconds_blocked_on_link": sum(s.get("seconds_blocked", 0.0) for s in summaries),
+            "link_classes": comm["link_classes"], "utilisation": computing / (computing + syncing),
+            "seconds_blocked_on_link": sum(s.seconds_blocked for s in summaries),
             "baseline_bpb": ({name: r["bpb"] for name, r in evaluate_model(spec, run, layout.BASELINE).items()}
                              if run.is_committed(layout.BASELINE) else None)}
-
-
-def _baseline_steps(spec: RunSpec) -> int:
-    """The standard baseline's step count for equal tokens (as `training.baseline` plans it)."""
-    rows = sum(slot.rows_per_round * spec.sync.rounds for slot in spec.learners)
-    return -(-rows // sum(slot.island.batch_size for slot in spec.learners))
 
 
 def table(results: list[dict]) -> pd.DataFrame:
@@ -66,7 +61,7 @@ def table(results: list[dict]) -> pd.DataFrame:
         row.update({"inter_island_MB": round(r["inter_island_bytes"] / 1e6, 2),
                     "vs_allreduce": f"{r['inter_island_reduction']:.0f}x",
                     "peak_fragment_MB_per_round": round(max(f["bytes_sent_per_round"] for f in r["per_fragment"]) / 1e6, 3),
-                    "utilization": round(r["utilization"], 3)})
+                    "utilisation": round(r["utilisation"], 3)})
         rows.append(row)
     return pd.DataFrame(rows)
 

@@ -84,7 +84,7 @@ def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summa
                     "parameters_total": parameters["total"], "parameters_active": parameters["active"]},
         "communication": communication(spec, summaries, parameters["total"], baseline["steps"]),
         "consensus": consensus,
-        "utilization": computing / (computing + syncing) if computing + syncing else None,
+        "utilisation": computing / (computing + syncing) if computing + syncing else None,
         "seconds_blocked_on_link": sum(s.seconds_blocked for s in summaries),
         "wall_seconds": wall_seconds,
     }
@@ -127,7 +127,7 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
         per_learner.to_markdown(index=False),
         "## Consensus",
         f"Max relative distance of a learner's weights from their mean: "
-        f"{report['consensus']['max_weight_distance']:.4f}; utilisation {report['utilization']:.3f}; "
+        f"{report['consensus']['max_weight_distance']:.4f}; utilisation {report["utilisation"]:.3f}; "
         f"wall time {report['wall_seconds']:.1f} s.",
     ])
 
