@@ -127,7 +127,7 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
         per_learner.to_markdown(index=False),
         "## Consensus",
         f"Max relative distance of a learner's weights from their mean: "
-        f"{report['consensus']['max_weight_distance']:.4f}; utilisation {report["utilisation"]:.3f}; "
+        f"{report['consensus']['max_weight_distance']:.4f}; utilisation {report['utilisation']:.3f}; "
         f"wall time {report['wall_seconds']:.1f} s.",
     ])
 
