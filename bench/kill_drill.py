@@ -32,6 +32,7 @@ import torch
 
 from bench.quality import Log, score, train_islands
 from infra import layout
+from infra.launch import LEARNER_MODULE
 from infra.spec import parse_spec
 from infra.store import run_store
 from training.data import prepare_dataset
@@ -71,7 +72,7 @@ def learner_pids(run_id: str, learner: int) -> list[int]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"training.learner" in argv and b"--learner" in argv and run_id.encode() in argv and \
+        if LEARNER_MODULE.encode() in argv and b"--learner" in argv and run_id.encode() in argv and \
                 argv[argv.index(b"--learner") + 1] == str(learner).encode():
             pids.append(int(entry.name))
     return pids

@@ -41,6 +41,7 @@ WINDOW_CLOSED = 75
 # Every learner process starts as `python -m infra.launch MODULE ARGS...` (see `main`).
 GUARDED = [sys.executable, "-m", "infra.launch"]
 TORCHRUN = "torch.distributed.run"
+LEARNER_MODULE = "training.process"
 LOOPBACK_RENDEZVOUS = "archipelago-loopback"
 # The pid a guarded process must find as its parent; each guarded process sets it to its own for its children.
 PARENT_PID = "ARCHIPELAGO_PARENT_PID"
@@ -61,11 +62,11 @@ class LearnerProcess:
     wrapper: tuple[str, ...] = ()
 
     def command(self, store_url: str, endpoint_url: str | None, run_id: str) -> list[str]:
-        launcher = [*GUARDED, "training.learner"]
+        launcher = [*GUARDED, LEARNER_MODULE]
         if self.processes > 1:
             launcher = [*GUARDED, TORCHRUN, f"--rdzv-backend={LOOPBACK_RENDEZVOUS}",
                         "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1",
-                        f"--nproc-per-node={self.processes}", "-m", "infra.launch", "training.learner"]
+                        f"--nproc-per-node={self.processes}", "-m", "infra.launch", LEARNER_MODULE]
         args = ["--store", store_url, "--run-id", run_id, "--learner", str(self.learner),
                 "--threads", str(self.threads)]
         if endpoint_url:

@@ -107,6 +107,12 @@ class Transport:
         self._ready = threading.Condition()
         self._worker: threading.Thread | None = None
 
+    @classmethod
+    def of(cls, store: ObjectStore, settings) -> "Transport":
+        """The transport a run's `sync.transport` settings describe."""
+        return cls(store, settings.chunk_bytes,
+                   {"inter": settings.bandwidth.inter_island, "intra": settings.bandwidth.intra_island})
+
     # -- the queue ------------------------------------------------------------------------------
 
     def submit(self, link: str, job: Callable, *args) -> Future:

@@ -84,7 +84,7 @@ def test_a_learner_killed_with_an_exchange_in_flight_applies_it_exactly_once(run
     restarted.resume()
     assert restarted.start_round == 2 and restarted.pending.round == 1
     # The learner that never died serves as the reference; only the restarted one may write round 2's checkpoint.
-    monkeypatch.setattr(learners[0], "_checkpoint", lambda t: None)
+    monkeypatch.setattr(learners[0].checkpoints, "write", lambda key, tensors, meta: None)
     for learner in (learners[0], restarted, learners[1]):
         learner.run_round(2)
     # The restarted learner re-sent the same bytes (write-once: no second object) and landed on

@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
+
+from training.params import unflatten_into
 
 BETAS = (0.9, 0.95)
 CLIP_NORM = 1.0
@@ -21,3 +24,15 @@ def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr:
         group["lr"] = lr
     torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
     optimizer.step()
+
+
+def average_gradients(model: torch.nn.Module, world: int) -> None:
+    """Average the gradients over a learner's data-parallel process group, in one all-reduce."""
+    params = list(model.parameters())
+    for p in params:
+        if p.grad is None:  # an expert no token was routed to on this rank
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    flat /= world
+    unflatten_into(flat, [p.grad for p in params])

@@ -1,50 +1,42 @@
 """One learner: a model replica that trains on its shard and talks to other learners only
 through the object store.
 
-Run as its own OS process: `python -m training.learner --store URL --run-id RUN --learner I`,
-or under `torchrun` when the learner is data-parallel over several processes. Rank 0 owns all
-store traffic; the other ranks only compute, and receive each round's new weights by broadcast.
+Each learner is its own OS process (`training.process`), or a `torchrun` group of processes
+when it is data-parallel over several. Rank 0 owns all store traffic; the other ranks only
+compute, and receive each round's new weights by broadcast.
 
 A round: H AdamW steps from the anchor, then this round's fragment goes to the exchanger
 (`training.sync`), which sends and receives on the transport thread while the next round
 computes; the exchange is applied `sync.transport.tau` inner steps later (at once with tau 0).
 Then a checkpoint of the whole state (`training.state`), an exchange in flight included, so a
-restarted learner resumes from it and applies that exchange exactly once. With
-`sync.transport.checkpoint_in_background` the checkpoint is a copy written by the transport
-thread while the next round computes; a learner finishes one before it starts the next and
-before it exits or pauses. Capacity windows: a learner stops before a round that would not end
-inside its window, and the next window's segment resumes it.
+restarted learner resumes from it and applies that exchange exactly once. A learner stops
+before a round that would not end inside its capacity window; the next window's segment resumes it.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
 from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
 
 from infra import layout
-from infra.launch import WINDOW_CLOSED
-from infra.retry import RetryPolicy
 from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
 from infra.transport import Transport
 from training.data import WindowSampler, read_stream
 from training.events import emit
-from training.faults import LearnerFaults, store_faults
-from training.inner import inner_optimizer, optimizer_step
+from training.faults import LearnerFaults
+from training.inner import average_gradients, inner_optimizer, optimizer_step
 from training.ledger import Ledger, LearnerSummary
 from training.model import build_model
-from training.params import flat_parameters, load_flat_parameters, unflatten_into
+from training.params import flat_parameters, load_flat_parameters
 from training.schedule import learning_rate
-from training.state import LearnerState, Lives, checkpoint_rounds, choose_resume_point, own_ledger
+from training.state import Checkpointer, LearnerState, Lives, choose_resume_point, own_ledger
 from training.sync import Exchange, Exchanger, partner_wait_s
 
 
@@ -54,31 +46,27 @@ class LearnerDiverged(RuntimeError):
 
 class Learner:
     def __init__(self, spec: RunSpec, store: ObjectStore, index: int, rank: int = 0, world: int = 1):
-        self.spec, self.store = spec, store
+        self.spec, self.store, self.rank, self.world = spec, store, rank, world
         self.slot: LearnerSlot = spec.learners[index]
-        self.rank, self.world = rank, world
         self.device = torch.device(self.slot.island.device if self.slot.island.device == "cpu"
                                    else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         self.model = build_model(spec).to(self.device)
         self.inner = inner_optimizer(self.model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
-        settings = spec.sync.transport
-        self.transport = Transport(store, settings.chunk_bytes,
-                                   {"inter": settings.bandwidth.inter_island, "intra": settings.bandwidth.intra_island})
+        self.transport = Transport.of(store, spec.sync.transport)
         self.lives = Lives(store)
         self.faults = LearnerFaults(spec, store, index)
         self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, flat_parameters(self.model).cpu(),
                                    skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
         self.ledger = Ledger()
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.device)
+        self.checkpoints = Checkpointer(store, self.transport, self.ledger,
+                                        spec.sync.transport.checkpoint_in_background)
         self.pending: Exchange | None = None
-        self._checkpoint_in_flight: Future | None = None
         self._sync_seconds = 0.0
-        manifest = store.get_json(layout.DATA_MANIFEST)
-        self.sampler = WindowSampler(read_stream(store, manifest["shards"][index]), self.slot.island.seq_len,
-                                     seed=spec.seed)
+        shard = read_stream(store, store.get_json(layout.DATA_MANIFEST)["shards"][index])
+        self.sampler = WindowSampler(shard, self.slot.island.seq_len, seed=spec.seed)
         self.rows = self.slot.island.batch_size // world
-        self.start_round = 0
-        self.rejoined_from: dict | None = None
+        self.start_round, self.rejoined_from = 0, None
         self.life = 0  # this process's life among the learner's lives (restarts, window resumes)
 
     # -- resuming -----------------------------------------------------------------------------------
@@ -95,16 +83,13 @@ class Learner:
         if self.rank == 0:
             self.life = len(self.lives.of(self.slot.index))
             point = choose_resume_point(self.store, self.slot.index, len(self.spec.learners)) if self.life else None
-        source = torch.tensor((point.learner, point.round) if point else (-1, -1), device=self.device)
-        if self.world > 1:
-            dist.broadcast(source, src=0)
-        learner, t = source.tolist()
+        learner, t = self._from_rank0((point.learner, point.round) if point else (-1, -1))
         if t >= 0:
             tensors, meta = (point.tensors, point.meta) if point else \
                 self.store.read_committed(layout.checkpoint(learner, t))[:2]
             self._resume_from(learner, t, tensors, meta)
         if self.rank == 0:
-            self._record_life()
+            self.lives.record(self.slot.index, self.life, self.start_round, self.rejoined_from)
 
     def _resume_from(self, learner: int, t: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """A learner that rejoins from a peer's checkpoint drops the peer's exchange in flight and
@@ -125,18 +110,6 @@ class Learner:
         self.rejoined_from = {"learner": learner, "round": t}
         emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
 
-    def _record_life(self) -> None:
-        """Tell the partners that this life has begun, and which of this learner's messages will never
-        come: a learner that rejoins from a peer's checkpoint skips the rounds between its own newest
-        checkpoint and that one, and a partner waiting for one of them stops at once."""
-        skipped: list[int] = []
-        if self.rejoined_from is not None and self.rejoined_from["learner"] != self.slot.index:
-            skipped = list(range(max(checkpoint_rounds(self.store, self.slot.index), default=-1) + 1,
-                                 self.start_round))
-        self.lives.record(self.slot.index, self.life, self.start_round, self.rejoined_from, skipped)
-        if skipped:
-            emit("skipping_rounds", learner=self.slot.index, first=skipped[0], last=skipped[-1])
-
     # -- rounds -------------------------------------------------------------------------------------
 
     def run(self, until: datetime | None = None,
@@ -154,8 +127,7 @@ class Learner:
             loss = self.run_round(t)
             round_seconds = time.monotonic() - round_started
             if self.rank == 0:
-                done = t + 1 - self.start_round
-                elapsed = time.monotonic() - started
+                done, elapsed = t + 1 - self.start_round, time.monotonic() - started
                 emit("round", learner=self.slot.index, island=self.slot.island.name, round=t,
                      rounds=self.spec.sync.rounds, loss=round(loss, 4),
                      tokens_per_s=round(done * self.slot.tokens_per_round() / elapsed),
@@ -163,7 +135,7 @@ class Learner:
             if self._window_cut_short(t):
                 self._window_closed(t + 1, "now (fault 'close_window')")
                 return False
-        self.finish_checkpoint()
+        self.checkpoints.finish()
         if self.rank == 0:
             self._write_summary()
         return True
@@ -192,11 +164,11 @@ class Learner:
             self._apply_pending()
         # Syncing is what the learner spent not computing: queueing the send and applying mixes,
         # including any wait for a message still on the link.
-        sync_s = self._sync_seconds
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
-                               time.monotonic() - round_started - sync_s, sync_s)
+                               time.monotonic() - round_started - self._sync_seconds, self._sync_seconds)
         if self.rank == 0:
-            self._checkpoint(t)
+            tensors, meta = self.state.state_dict(self.pending)
+            self.checkpoints.write(layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
         return loss
 
     def inner_steps(self, round_index: int) -> float:
@@ -211,7 +183,7 @@ class Learner:
             self.inner.zero_grad(set_to_none=False)
             loss.backward()
             if self.world > 1:
-                self._average_gradients()
+                average_gradients(self.model, self.world)
             optimizer_step(self.model, self.inner, learning_rate(round_index * island.inner_steps + h, total,
                                                                  self.spec.sync.inner_lr, self.spec.sync.warmup_steps))
             losses.append(loss.item())
@@ -220,16 +192,6 @@ class Learner:
             if h == island.inner_steps // 2 and self.rank == 0:
                 self.faults.maybe_die(round_index)
         return sum(losses) / len(losses)
-
-    def _average_gradients(self) -> None:
-        params = list(self.model.parameters())
-        for p in params:
-            if p.grad is None:  # an expert no token was routed to on this rank
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        dist.all_reduce(flat)
-        flat /= self.world
-        unflatten_into(flat, [p.grad for p in params])
 
     def _apply_pending(self) -> None:
         """Apply the exchange in flight; rank 0 computes the fragment's new weights and tells the others."""
@@ -249,25 +211,6 @@ class Learner:
         load_flat_parameters(self.model, weights)
         self._sync_seconds += time.monotonic() - began
 
-    # -- checkpoints and the summary ------------------------------------------------------------------
-
-    def _checkpoint(self, t: int) -> None:
-        tensors, meta = self.state.state_dict(self.pending)
-        key, meta = layout.checkpoint(self.slot.index, t), {**meta, "round": t}
-        if not self.spec.sync.transport.checkpoint_in_background:
-            self.ledger.checkpoint_bytes += self.store.commit_tensors(key, tensors, meta)
-            return
-        self.finish_checkpoint()  # at most one in flight
-        # Training goes on changing the state while the write runs: the checkpoint gets its own copy.
-        copies = {name: tensor.clone() for name, tensor in tensors.items()}
-        self._checkpoint_in_flight = self.transport.submit("checkpoint", self.store.commit_tensors, key, copies, meta)
-
-    def finish_checkpoint(self) -> None:
-        """Wait for a checkpoint still being written in the background; its errors surface here."""
-        if self._checkpoint_in_flight is not None:
-            written, self._checkpoint_in_flight = self._checkpoint_in_flight, None
-            self.ledger.checkpoint_bytes += written.result()
-
     def _write_summary(self) -> None:
         key = layout.learner_summary(self.slot.index)
         summary = LearnerSummary.of(
@@ -283,59 +226,25 @@ class Learner:
 
     def _round_fits(self, until: datetime, clock: Callable[[], datetime], round_seconds: float) -> bool:
         """Whether one more round (as long as the last one) ends before `until`; rank 0 decides for its group."""
-        fits = torch.tensor(int(clock() + timedelta(seconds=round_seconds) < until) if self.rank == 0 else 0,
-                            device=self.device)
-        if self.world > 1:
-            dist.broadcast(fits, src=0)
-        return bool(fits.item())
+        fits = self.rank == 0 and clock() + timedelta(seconds=round_seconds) < until
+        return bool(self._from_rank0((int(fits),))[0])
 
     def _window_cut_short(self, round_index: int) -> bool:
         """Fault injection: the capacity window ends right after this round; rank 0 decides for its group."""
-        if not self.faults.closes_windows():
-            return False
-        cut = torch.tensor(int(self.rank == 0 and self.faults.window_closes_after(round_index)), device=self.device)
-        if self.world > 1:
-            dist.broadcast(cut, src=0)
-        return bool(cut.item())
+        cut = self.faults.closes_windows() and self.rank == 0 and self.faults.window_closes_after(round_index)
+        return self.faults.closes_windows() and bool(self._from_rank0((int(cut),))[0])
 
     def _window_closed(self, next_round: int, until: str) -> None:
-        self.finish_checkpoint()
+        self.checkpoints.finish()
         if self.rank == 0:
             self.lives.record_pause(self.slot.index, self.life, next_round)
             emit("window_closed", learner=self.slot.index, island=self.slot.island.name, next_round=next_round,
                  rounds=self.spec.sync.rounds, until=until)
 
+    def _from_rank0(self, values: tuple[int, ...]) -> list[int]:
+        """Rank 0's values on every rank: what rank 0 decides, its whole group does."""
+        agreed = torch.tensor(values, device=self.device)
+        if self.world > 1:
+            dist.broadcast(agreed, src=0)
+        return agreed.tolist()
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run one Archipelago learner.")
-    parser.add_argument("--store", required=True, help="store root URL (credentials from the environment)")
-    parser.add_argument("--endpoint-url", default=None)
-    parser.add_argument("--run-id", required=True, help="run id")
-    parser.add_argument("--learner", type=int, required=True, help="global learner index")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
-    parser.add_argument("--until", type=datetime.fromisoformat, default=None,
-                        help="end of the island's capacity window (ISO 8601 with offset): stop cleanly before it")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    spec = RunSpec.model_validate(
-        ObjectStore(args.store, args.endpoint_url).child(f"runs/{args.run_id}").get_json(layout.SPEC))
-    store = ObjectStore(args.store, args.endpoint_url,
-                        RetryPolicy(attempts=spec.store.retry_attempts, budget_s=spec.store.retry_budget_s),
-                        store_faults(spec, args.learner)).child(f"runs/{args.run_id}")
-    if world > 1:
-        dist.init_process_group("nccl" if spec.learners[args.learner].island.device == "cuda" else "gloo")
-    try:
-        learner = Learner(spec, store, args.learner, rank, world)
-        learner.resume()
-        finished = learner.run(args.until)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
-    # torchrun reports any non-zero exit as a failure: a group's pause shows as its missing summary instead.
-    return 0 if finished or world > 1 else WINDOW_CLOSED
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -58,6 +59,30 @@ class LearnerState:
                                        "exp_avg_sq": tensors[f"inner.{i}.exp_avg_sq"].to(self.device)}
 
 
+class Checkpointer:
+    """Commits a learner's checkpoints, in the foreground or, with
+    `sync.transport.checkpoint_in_background`, on the transport thread while the next round
+    computes. At most one is in flight; `finish` waits for it, and its errors surface there."""
+
+    def __init__(self, store: ObjectStore, transport, ledger: Ledger, background: bool):
+        self.store, self.transport, self.ledger, self.background = store, transport, ledger, background
+        self._in_flight: Future | None = None
+
+    def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        if not self.background:
+            self.ledger.checkpoint_bytes += self.store.commit_tensors(key, tensors, meta)
+            return
+        self.finish()
+        # Training goes on changing the state while the write runs: the checkpoint gets its own copy.
+        copies = {name: tensor.clone() for name, tensor in tensors.items()}
+        self._in_flight = self.transport.submit("checkpoint", self.store.commit_tensors, key, copies, meta)
+
+    def finish(self) -> None:
+        if self._in_flight is not None:
+            written, self._in_flight = self._in_flight, None
+            self.ledger.checkpoint_bytes += written.result()
+
+
 class Lives:
     """The lives of a run's learners, as each records them when it starts (and when it pauses at
     its capacity window's end). Records are write-once, so each is read once."""
@@ -76,11 +101,19 @@ class Lives:
         """Whether a restart of `peer` skipped the round: its message of that round never comes."""
         return any(round_index in life["skipped_rounds"] for life in self.of(peer))
 
-    def record(self, learner: int, life: int, start_round: int, resumed_from: dict | None, skipped: list[int]) -> None:
+    def record(self, learner: int, life: int, start_round: int, resumed_from: dict | None) -> None:
+        """Record that a life has begun, with the rounds whose messages will never come: a learner
+        that rejoins from a peer's checkpoint skips the rounds between its own newest checkpoint
+        and that one, and a partner waiting for one of them stops at once."""
+        skipped: list[int] = []
+        if resumed_from is not None and resumed_from["learner"] != learner:
+            skipped = list(range(max(checkpoint_rounds(self.store, learner), default=-1) + 1, start_round))
         self.store.put_json(layout.learner_life(learner, life), {
             "learner": learner, "life": life, "start_round": start_round, "resumed_from": resumed_from,
             "skipped_rounds": skipped, "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": datetime.now(timezone.utc).isoformat()})
+        if skipped:
+            emit("skipping_rounds", learner=learner, first=skipped[0], last=skipped[-1])
 
     def record_pause(self, learner: int, life: int, next_round: int) -> None:
         self.store.put_json(layout.learner_paused(learner, life),
