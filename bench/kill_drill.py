@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from bench.quality import Log, score, train_islands
+from bench.islands import Log, train_islands
+from eval.evaluate import heldout_bpb
 from infra import layout
 from infra.launch import LEARNER_MODULE
 from infra.spec import parse_spec
@@ -108,7 +109,7 @@ def run_arm(kill: bool, args, log: Log) -> dict:
     done.set()
     summaries = read_summaries(store, len(spec.learners))
     result = {"arm": arm_name(kill, args), "wall_s": round(wall, 1),
-              "bpb": score(spec, store, layout.CONSOLIDATED)["heldout"],
+              "bpb": heldout_bpb(spec, store, layout.CONSOLIDATED),
               "max_weight_distance": consensus["max_weight_distance"],
               "missed_exchanges": [dict(m, learner=s.learner) for s in summaries for m in s.missed_exchanges],
               "lives": {s.learner: s.lives for s in summaries if len(s.lives) > 1},

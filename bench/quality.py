@@ -31,23 +31,19 @@ import shutil
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from bench.islands import Log, train_islands
 from eval.bootstrap import paired_bootstrap
-from eval.bpb import bits_per_byte
-from eval.evaluate import load_model
+from eval.evaluate import score_model
 from infra import layout
-from infra.launch import LearnerFailed, LearnerProcess, run_learner
 from infra.spec import RunSpec, parse_spec
 from infra.store import run_store
-from infra.launch import threads_per_process
 from training.baseline import train_baseline
-from training.consolidate import consolidate
-from training.data import prepare_dataset, read_stream
+from training.data import prepare_dataset
 from training.model import build_model
 
 RESULTS = Path("bench/results/quality")
@@ -219,65 +215,6 @@ def plan(results: dict[str, dict]) -> Plan:
 
 # -- running an arm ----------------------------------------------------------------------------------
 
-class Log:
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a")
-
-    def __call__(self, message: str) -> None:
-        line = f"{time.strftime('%H:%M:%S')} {message}"
-        print(line, flush=True)
-        self.file.write(line + "\n")
-        self.file.flush()
-
-
-def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> dict:
-    """Every learner as its own OS process (as the lifecycle runs them), then consolidation. A
-    learner that dies is started again up to `restarts` times, a second later, as the lifecycle's
-    `train-learner` task retries it."""
-    threads = threads_per_process(spec)
-
-    def train(slot) -> None:
-        for attempt in range(restarts + 1):
-            try:
-                return run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
-                                   spec.store.url, None, run_id, relay)
-            except LearnerFailed as err:
-                if attempt == restarts:
-                    raise
-                log(f"  learner {slot.index} died ({str(err).splitlines()[0]}); restarting")
-                time.sleep(1)
-
-    def relay(line: str) -> None:
-        try:
-            event = json.loads(line)
-        except ValueError:
-            return
-        if event.get("event") == "round" and event["learner"] == 0 and event["round"] % 10 == 9:
-            log(f"  learner 0 round {event['round'] + 1}/{event['rounds']} loss {event['loss']:.3f} "
-                f"{event['tokens_per_s']:,} tok/s ETA {event['eta_s']:.0f} s")
-        elif event.get("event") in ("missed_exchange", "fault", "resumed", "skipping_rounds"):
-            log(f"  {event}")
-
-    with ThreadPoolExecutor(len(spec.learners)) as pool:
-        running = [pool.submit(train, slot) for slot in spec.learners]
-        for learner in running:
-            learner.result()
-    return consolidate(spec, run_store(spec.store, run_id))
-
-
-def score(spec: RunSpec, store, key: str) -> dict:
-    """bpb of a trained model on every held-out evaluation (with its bits per document) and on the
-    validation split."""
-    manifest = store.get_json(layout.DATA_MANIFEST)
-    model, meta = load_model(spec, store, key)
-    out = {"tokens": meta["tokens"], "heldout": {}, "validation": {}}
-    for split in ("heldout", "validation"):
-        for name, entry in manifest[split].items():
-            out[split][name] = bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)
-    return out
-
-
 def run_arm(arm: Arm, log: Log) -> dict:
     spec = arm.spec()
     run_id = f"{arm.name.replace('.', 'p')}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -295,7 +232,7 @@ def run_arm(arm: Arm, log: Log) -> dict:
         extra["consensus"] = train_islands(spec, run_id, log)
         key = layout.CONSOLIDATED
     train_seconds = time.monotonic() - started
-    scores = score(spec, store, key)
+    scores = score_model(spec, store, key, ("heldout", "validation"))
     result = {"arm": arm.name, "kind": arm.kind, "seed": arm.seed, "family": arm.family if arm.kind != "standard" else None,
               "lr": arm.lr, "global_batch": arm.batch, "tokens": scores["tokens"],
               "bpb": {name: r["bpb"] for name, r in scores["heldout"].items()},
@@ -418,7 +355,7 @@ def table_markdown(table: dict, results: dict[str, dict]) -> str:
              "seeds) of the mean's relative difference. Every arm trains " + " / ".join(f"{t:,}" for t in table["tokens"]) + " tokens.", "",
              f"- (a) standard training at the islands' global batch {ISLANDS_GLOBAL_BATCH}, learning rate "
              f"{settings['a']['lr']} (best of its sweep on the validation split)",
-             f"- (b) standard training at its best global batch: " +
+             "- (b) standard training at its best global batch: " +
              (f"{b['global_batch']}, learning rate {b['lr']}" if b else "sweep not finished"),
              "- (c) one learner (M=1) with the family's inner and outer optimizer, round length and schedule"]
     for family in table["families"].values():

@@ -58,7 +58,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import secrets
 import shutil
 import signal
@@ -67,10 +66,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
+
+from bench.netns import (IslandEnd, LinkPlan, existing_namespaces, link_bytes, log, require_root_and_tools, run_checked,
+                         run_concurrently, teardown)
+from bench.shaped_link_report import headline, markdown
 
 BRIEF_PARAMETERS = 32e9
 BRIEF_LINK_BPS = 25e9
@@ -78,9 +80,6 @@ BRIEF_LINK_BPS = 25e9
 BRIEF_DP_NEED_BPS = math.sqrt(100e9 * 300e9)
 TARGET_UTILISATION = 0.95
 FP32 = 4
-NAMESPACE_PREFIX = "arch-"
-IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
-SUBNET = "10.77.0"  # only inside the bench's own namespaces, which have no other routes
 RESULTS = Path("bench/results")
 
 
@@ -107,163 +106,11 @@ def dp_matched_rate_bps(bytes_each_way_per_step: float, step_seconds: float) -> 
     return dp_need_bps(bytes_each_way_per_step, step_seconds) * BRIEF_LINK_BPS / BRIEF_DP_NEED_BPS
 
 
-def tbf_burst_bytes(rate_bps: float) -> int:
-    """A token bucket deep enough for 10 ms at the rate (tbf needs at least rate / HZ) and never
-    below 16 KiB, so full-size segments pass."""
-    return max(16 * 1024, int(rate_bps / 8 / 100))
-
-
-# -- the namespace plan ---------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class IslandEnd:
-    island: str
-    namespace: str
-    device: str
-    address: str
-
-
-@dataclass(frozen=True)
-class LinkPlan:
-    """Two island namespaces and the veth pair between them; the first island hosts the store."""
-
-    tag: str
-    ends: tuple[IslandEnd, IslandEnd]
-    rate_bps: int
-
-    @classmethod
-    def for_islands(cls, islands: list[str], rate_bps: float, tag: str | None = None) -> "LinkPlan":
-        if len(islands) != 2 or len(set(islands)) != 2:
-            raise ValueError(f"the shaped-link bench joins exactly two distinct islands, got {islands}")
-        tag = tag or secrets.token_hex(3)
-        ends = tuple(IslandEnd(island=name, namespace=f"{NAMESPACE_PREFIX}{tag}-{name}",
-                               device=f"arch{tag}{k}", address=f"{SUBNET}.{k + 1}")
-                     for k, name in enumerate(islands))
-        plan = cls(tag=tag, ends=ends, rate_bps=int(rate_bps))
-        plan.validate()
-        return plan
-
-    def validate(self, existing_namespaces: set[str] = frozenset()) -> None:
-        if not re.fullmatch(r"[a-z0-9]{1,8}", self.tag):
-            raise ValueError(f"tag {self.tag!r}: use 1-8 lowercase letters or digits")
-        if self.rate_bps < 8_000:
-            raise ValueError(f"rate {self.rate_bps} bit/s is below tbf's useful range (8 kbit/s)")
-        for end in self.ends:
-            if len(end.device) > IFNAME_MAX:
-                raise ValueError(f"interface name {end.device!r} is longer than {IFNAME_MAX} characters")
-            if end.namespace in existing_namespaces:
-                raise ValueError(f"network namespace {end.namespace!r} already exists; not touching it")
-
-    @property
-    def server(self) -> IslandEnd:
-        return self.ends[0]
-
-    def end(self, island: str) -> IslandEnd:
-        return next(e for e in self.ends if e.island == island)
-
-    def exec_in(self, island: str) -> tuple[str, ...]:
-        return ("ip", "netns", "exec", self.end(island).namespace)
-
-    def setup_commands(self) -> list[list[str]]:
-        a, b = self.ends
-        burst = tbf_burst_bytes(self.rate_bps)
-        commands = [["ip", "netns", "add", e.namespace] for e in self.ends]
-        commands.append(["ip", "link", "add", a.device, "netns", a.namespace, "type", "veth",
-                         "peer", "name", b.device, "netns", b.namespace])
-        for e in self.ends:
-            commands += [["ip", "-n", e.namespace, "addr", "add", f"{e.address}/30", "dev", e.device],
-                         ["ip", "-n", e.namespace, "link", "set", "lo", "up"],
-                         ["ip", "-n", e.namespace, "link", "set", e.device, "up"],
-                         # Egress of each end: the two directions of the link, each at the full rate.
-                         ["tc", "-n", e.namespace, "qdisc", "add", "dev", e.device, "root", "tbf",
-                          "rate", f"{self.rate_bps}bit", "burst", str(burst), "latency", "100ms"]]
-        return commands
-
-    def counters(self) -> dict[str, dict[str, int]]:
-        """Each end's veth byte counters, read inside its namespace."""
-        out = {}
-        for e in self.ends:
-            values = subprocess.run(
-                [*self.exec_in(e.island), "cat", f"/sys/class/net/{e.device}/statistics/tx_bytes",
-                 f"/sys/class/net/{e.device}/statistics/rx_bytes"],
-                check=True, capture_output=True, text=True).stdout.split()
-            out[e.island] = {"tx_bytes": int(values[0]), "rx_bytes": int(values[1])}
-        return out
-
-
-def link_bytes(before: dict, after: dict, plan: LinkPlan) -> dict:
-    """Bytes over the link between two counter readings, each direction, from both ends."""
-    a, b = (e.island for e in plan.ends)
-    delta = {i: {k: after[i][k] - before[i][k] for k in after[i]} for i in after}
-    return {f"{a}_to_{b}": delta[a]["tx_bytes"], f"{b}_to_{a}": delta[b]["tx_bytes"],
-            "total": delta[a]["tx_bytes"] + delta[b]["tx_bytes"],
-            # the other end's receive counters, as a check
-            "total_seen_by_receivers": delta[b]["rx_bytes"] + delta[a]["rx_bytes"]}
-
-
-# -- root-side: build, run the driver, tear down -------------------------------------------------
-
-def run_concurrently(plan: LinkPlan, calls: list[tuple]) -> tuple[float, dict]:
-    """Run each (function, *args) on its own thread; wall seconds and the link bytes they moved."""
-    before, began = plan.counters(), time.monotonic()
-    workers = [threading.Thread(target=call[0], args=call[1:]) for call in calls]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    return time.monotonic() - began, link_bytes(before, plan.counters(), plan)
-
+# -- root-side: build the link, run the driver -------------------------------------------------------
 
 def interrupt(signum, frame) -> None:
     """SIGTERM unwinds like Ctrl-C, so every `finally` (server, namespaces) runs."""
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def log(message: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def require_root_and_tools() -> None:
-    if os.geteuid() != 0:
-        raise SystemExit("bench/shaped_link.py must run as root: it creates network namespaces and tc qdiscs")
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
-    if missing:
-        raise SystemExit(f"missing {', '.join(missing)}: install iproute2 (apt-get install -y iproute2)")
-
-
-def run_checked(command: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"`{' '.join(command)}` failed ({done.returncode}): {done.stderr.strip()}")
-
-
-def existing_namespaces() -> set[str]:
-    listed = subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
-
-
-def teardown(plan: LinkPlan, driver: subprocess.Popen | None) -> None:
-    """Stop the driver's process group, then anything still inside our namespaces, then delete them."""
-    if driver is not None and driver.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(driver.pid, signal.SIGTERM)
-        try:
-            driver.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(driver.pid, signal.SIGKILL)
-            driver.wait()
-    ours = existing_namespaces()
-    for e in plan.ends:
-        if e.namespace not in ours:
-            continue
-        pids = subprocess.run(["ip", "netns", "pids", e.namespace], capture_output=True, text=True).stdout.split()
-        for pid in pids:  # started by this bench: nothing else lives in a namespace it just made
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        # Deleting a namespace destroys its end of the veth pair, and with it the pair.
-        subprocess.run(["ip", "netns", "del", e.namespace], capture_output=True)
-    log(f"torn down namespaces {', '.join(e.namespace for e in plan.ends)}")
 
 
 def calibrate_step_seconds(spec, repeats: int = 5) -> float:
@@ -373,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def warm_data_cache(specs) -> None:
-    from training.data import shakespeare_files
+    from training.corpora import shakespeare_files
     if any(c.source == "shakespeare" for spec in specs for c in spec.data.corpora):
         shakespeare_files()
 
@@ -430,18 +277,6 @@ def new_run(spec, arm: str):
     return run_id, store, prepare_dataset(spec, store)
 
 
-def score(spec, store, key: str) -> dict[str, float]:
-    """Bits per byte of one model on every held-out evaluation."""
-    from eval.bpb import bits_per_byte
-    from eval.evaluate import load_model
-    from infra import layout
-    from training.data import read_stream
-    model, _ = load_model(spec, store, key)
-    heldout = store.get_json(layout.DATA_MANIFEST)["heldout"]
-    return {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)["bpb"]
-            for name, entry in heldout.items()}
-
-
 def relay(prefix: str):
     def on_line(line: str) -> None:
         print(f"  {prefix} {line}", flush=True)
@@ -449,6 +284,7 @@ def relay(prefix: str):
 
 
 def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
+    from eval.evaluate import heldout_bpb
     from eval.report import allreduce_equivalent
     from infra import layout
     from infra.launch import LearnerProcess, run_learner
@@ -486,7 +322,7 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     if errors:
         raise errors[0]
     consensus = consolidate(spec, store)
-    bpb = score(spec, store, layout.CONSOLIDATED)
+    bpb = heldout_bpb(spec, store, layout.CONSOLIDATED)
     summaries = read_summaries(store, len(spec.learners))
     remote = [s for s in summaries if s.island != plan.server.island]
     computing = sum(s.seconds_computing for s in summaries)
@@ -537,6 +373,7 @@ def free_port(address: str) -> int:
 
 
 def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
+    from eval.evaluate import heldout_bpb
     from infra import layout
 
     run_id, store, _ = new_run(spec, "standard")
@@ -593,13 +430,8 @@ def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
         # Each rank's compute over its step loop; waiting for the other island is not compute.
         "utilisation": computing / sum(s["seconds_wall"] for s in summaries.values()),
         "per_rank": summaries,
-        "bpb": score(spec, store, layout.BASELINE) if run == planned else None,
+        "bpb": heldout_bpb(spec, store, layout.BASELINE) if run == planned else None,
     }
-
-
-def headline(result: dict) -> dict:
-    return {"wall_s": round(result["wall_seconds"], 1), "link_bytes": round(result["inter_island_bytes_measured"]["total"]),
-            "utilisation": round(result["utilisation"], 3), "bpb": result["bpb"]}
 
 
 def targets(results: dict) -> dict:
@@ -617,57 +449,6 @@ def targets(results: dict) -> dict:
         out["butterfly_utilisation"] = results["butterfly"]["utilisation"]
         out["utilisation_target"] = TARGET_UTILISATION
     return out
-
-
-def markdown(document: dict) -> str:
-    link = document["link"]
-    arms = document["arms"]
-    evals = sorted({name for r in arms.values() for name in (r["bpb"] or {})})
-    header = ["arm", "config", "wall s", "inter-island bytes (veth, both ways)", "of which exchanges", "counted bytes",
-              "utilisation", "utilisation incl. start-up", "compute/(compute+sync)"] + [f"bpb {e}" for e in evals]
-    rows = []
-    for arm, r in arms.items():
-        bpb = r["bpb"] or {}
-        rows.append([arm + (" (extrapolated)" if r.get("extrapolated") else ""), f"`{r['config']}`",
-                     f"{r['wall_seconds']:.0f}", f"{r['inter_island_bytes_measured']['total']:,.0f}",
-                     f"{r['inter_island_bytes_exchanges']:,.0f}",
-                     f"{r['inter_island_bytes_counted']:,.0f}", f"{r['utilisation']:.1%}",
-                     f"{r['utilisation_process_wall']:.1%}" if "utilisation_process_wall" in r else "-",
-                     f"{r['utilisation_round_loop']:.1%}" if "utilisation_round_loop" in r else "-"]
-                    + [f"{bpb[e]:.4f}" if e in bpb else "-" for e in evals])
-    lines = [f"# Shaped link: {len(arms)} arms over one {link['rate_bps'] / 1e6:.2f} Mbit/s link",
-             "", f"Rate: {link['chosen']} (per-step DP needs {link['dp_need_at_95pct_bps'] / 1e6:.1f} Mbit/s for "
-             f"95% here at {link['calibrated_step_seconds']:.3f} s/step; literal brief scaling "
-             f"{link['brief_literal_rate_bps'] / 1e6:.3f} Mbit/s). Store endpoint in island "
-             f"`{link['store_island']}`.", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    for arm, r in arms.items():
-        payload = r.get("remote_island_store_payload")
-        if payload:
-            lines += ["", f"`{arm}`: of its {r['inter_island_bytes_measured']['total']:,.0f} link bytes, the remote island's "
-                          f"store traffic was {payload['checkpoints_written']:,} checkpoint bytes written, "
-                          f"{payload['messages_written']:,} message bytes written, {payload['messages_read']:,} message "
-                          f"bytes read (same-island partners included) and {payload['shards_read']:,} shard bytes read."]
-    t = document["targets"]
-    if "butterfly_bytes_reduction_measured" in t:
-        lines += ["", f"Butterfly vs per-step all-reduce, inter-island bytes: {t['butterfly_bytes_reduction_measured']:.1f}x "
-                      f"less on the wire, {t['butterfly_bytes_reduction_exchanges']:.1f}x less in exchanges on the wire "
-                      f"(the link less remote checkpoints and shards; the all-reduce's step loop), "
-                      f"{t['butterfly_bytes_reduction_counted'] or 0:.1f}x by the learners' counters "
-                      f"(target {t['reduction_target']}x)."]
-    if "butterfly_utilisation" in t:
-        lines += [f"Butterfly utilisation {t['butterfly_utilisation']:.1%} (target {t['utilisation_target']:.0%})."]
-    lines += ["", "Columns. *inter-island bytes*: both directions of the veth pair, headers included. *of which "
-              "exchanges*: islands arms, that less the remote island's checkpoint writes and start-up shard reads "
-              "(what an island-local checkpoint store would keep off the link); standard, its step loop only. "
-              "*counted*: islands arms, the learners' own inter-island message reads; standard, 2 x gradient bytes "
-              "per step. *utilisation*: learner compute seconds over wall seconds from the end of each learner's "
-              "first round to the end of its last (standard: compute over each rank's step-loop wall); *incl. "
-              "start-up*: over each learner process's whole life; *compute/(compute+sync)*: the learners' own "
-              "split, which leaves out checkpoint writes. Learners share 2 CPU cores with each other and with "
-              "other work on the machine."]
-    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

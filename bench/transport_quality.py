@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from eval.evaluate import evaluate_model
+from eval.evaluate import heldout_bpb
 from eval.report import communication
 from infra import layout
 from infra.spec import RunSpec
@@ -37,13 +37,13 @@ def measure(store: ObjectStore, run_id: str) -> dict:
     syncing = sum(s.seconds_syncing for s in summaries)
     return {"run_id": run_id, "compression": transport.compression, "fragments": transport.fragments,
             "tau": transport.tau, "error_feedback": transport.error_feedback, "topk": transport.topk,
-            "bpb": {name: result["bpb"] for name, result in evaluate_model(spec, run, layout.CONSOLIDATED).items()},
+            "bpb": heldout_bpb(spec, run, layout.CONSOLIDATED),
             "inter_island_bytes": comm["inter_island_bytes"], "intra_island_bytes": comm["intra_island_bytes"],
             "allreduce_equivalent_bytes": comm["allreduce_equivalent_bytes"],
             "inter_island_reduction": comm["inter_island_reduction"], "per_fragment": comm["per_fragment"],
             "link_classes": comm["link_classes"], "utilisation": computing / (computing + syncing),
             "seconds_blocked_on_link": sum(s.seconds_blocked for s in summaries),
-            "baseline_bpb": ({name: r["bpb"] for name, r in evaluate_model(spec, run, layout.BASELINE).items()}
+            "baseline_bpb": (heldout_bpb(spec, run, layout.BASELINE)
                              if run.is_committed(layout.BASELINE) else None)}
 
 

@@ -18,12 +18,19 @@ def load_model(spec: RunSpec, store, key: str):
     return model, meta
 
 
-def evaluate_model(spec: RunSpec, store, key: str) -> dict:
-    """{eval name: bpb result} of one stored model over every held-out byte."""
+def score_model(spec: RunSpec, store, key: str, splits: tuple[str, ...] = ("heldout",)) -> dict:
+    """{split: {eval name: bpb result}} of one stored model over every byte of each split's sets
+    (`heldout` for reporting, `validation` for tuning), and the tokens it was trained on."""
     manifest = store.get_json(layout.DATA_MANIFEST)
-    model = load_model(spec, store, key)[0]
-    return {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)
-            for name, entry in manifest["heldout"].items()}
+    model, meta = load_model(spec, store, key)
+    scores = {split: {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)
+                      for name, entry in manifest[split].items()} for split in splits}
+    return {"tokens": meta.get("tokens"), **scores}
+
+
+def heldout_bpb(spec: RunSpec, store, key: str) -> dict[str, float]:
+    """{eval name: bpb} of one stored model on every held-out evaluation."""
+    return {name: result["bpb"] for name, result in score_model(spec, store, key)["heldout"].items()}
 
 
 def evaluate(spec: RunSpec, store) -> dict:

@@ -6,7 +6,8 @@ import pandas as pd
 
 from eval.bootstrap import paired_bootstrap
 from infra import layout
-from infra.spec import CorruptObject, RunSpec
+from infra.fault_spec import CorruptObject
+from infra.spec import RunSpec
 from training.ledger import LearnerSummary
 
 FP32 = 4

@@ -10,63 +10,16 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Literal
 from urllib.parse import urlsplit
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from infra.fault_spec import Fault
+from infra.spec_model import MAX_BATCH, MAX_STEPS, MAX_WAIT_S, MAX_WIDTH, SEED_LIMIT, SpecModel
 from infra.store import StoreError, parse_store_url
-
-# Upper bounds that no run on one machine per learner gets near, so that a typo (an extra zero or
-# three) fails at load time instead of as an out-of-memory error or an endless run hours later.
-MAX_WIDTH = 8192          # the widest open LLMs' d_model; with 64 layers already far beyond one GPU
-MAX_BATCH = 4096          # sequences per step; with seq_len up to 4096, 16M tokens per step
-MAX_STEPS = 100_000       # inner steps per round, and outer rounds: days of training at any scale here
-MAX_WAIT_S = 7 * 86400    # a week; much larger waits (1e300) overflow time.sleep
-# Seeds are derived by arithmetic (the baseline's is seed * 7919 + ...) and must stay below torch's
-# 2**64; 2**32 is also numpy's range.
-SEED_LIMIT = 2**32
-
-
-class SpecModel(BaseModel):
-    """Base for spec sections: unknown fields are errors, not silently ignored settings; inf and nan
-    are refused as numbers; errors never echo the input (it could be a URL with a password in it)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, hide_input_in_errors=True)
-
-
-class CapacityWindow(SpecModel):
-    """A span of time in which an island's capacity is reserved for this run."""
-
-    start: datetime = Field(description="When the reservation starts (local time in `timezone`, or with an offset).")
-    end: datetime = Field(description="When it ends: a segment stops cleanly (checkpoint, then exit) before this.")
-    timezone: str = Field("UTC", description="IANA timezone of start and end, e.g. Europe/Paris.")
-
-    @model_validator(mode="after")
-    def _ordered_in_a_known_zone(self) -> "CapacityWindow":
-        try:
-            ZoneInfo(self.timezone)
-        except (ZoneInfoNotFoundError, ValueError):
-            raise ValueError(f"unknown timezone {self.timezone!r}") from None
-        if self.end_at <= self.start_at:
-            raise ValueError(f"window ends ({self.end}) before it starts ({self.start})")
-        return self
-
-    def _aware(self, moment: datetime) -> datetime:
-        return moment.replace(tzinfo=ZoneInfo(self.timezone)) if moment.tzinfo is None else moment
-
-    @property
-    def start_at(self) -> datetime:
-        return self._aware(self.start)
-
-    @property
-    def end_at(self) -> datetime:
-        return self._aware(self.end)
-
-    def describe(self) -> str:
-        return f"{self.start_at.isoformat()} to {self.end_at.isoformat()} ({self.timezone})"
+from infra.windows import CapacityWindow
 
 
 class IslandSpec(SpecModel):
@@ -310,42 +263,6 @@ class StoreSpec(SpecModel):
             raise ValueError("must not have a query string or fragment (where signed credentials would go); "
                              "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
         return url
-
-
-class KillLearner(SpecModel):
-    kind: Literal["kill_learner"] = Field(description="SIGKILL a learner's process in the middle of a round.")
-    learner: int = Field(ge=0, description="Global learner index.")
-    round: int = Field(ge=0, description="Round in which it dies (after half its inner steps), once.")
-
-
-class CorruptObject(SpecModel):
-    kind: Literal["corrupt_object"] = Field(description="Corrupt the next object a learner writes.")
-    learner: int = Field(ge=0, description="Global learner index.")
-    round: int = Field(0, ge=0, description="Round whose message from this learner is corrupted.")
-
-
-class StoreErrors(SpecModel):
-    kind: Literal["store_errors"] = Field(description="Transient store faults on every learner's requests.")
-    rate: float = Field(ge=0, le=1, description="Probability that a store request meets a fault.")
-    kinds: list[Literal["timeout", "unavailable", "disconnect", "slow", "truncate"]] = Field(
-        ["timeout", "unavailable", "disconnect", "slow"], min_length=1, description="Fault kinds drawn from.")
-    slow_seconds: float = Field(0.2, ge=0, le=MAX_WAIT_S, description="Delay of a 'slow' fault.")
-
-
-class FailStage(SpecModel):
-    kind: Literal["fail_stage"] = Field(description="Fail a lifecycle stage once, to exercise reruns.")
-    stage: Literal["evaluate", "report", "consolidate", "baseline"] = Field(description="Stage that fails once.")
-
-
-class CloseWindow(SpecModel):
-    kind: Literal["close_window"] = Field(
-        description="End a learner's capacity window right after a round, once, as when a reservation is cut "
-                    "short: it stops as at a window's end and resumes in the island's next window.")
-    learner: int = Field(ge=0, description="Global learner index.")
-    round: int = Field(ge=0, description="Round after which its window closes.")
-
-
-Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage, CloseWindow], Field(discriminator="kind")]
 
 
 class EvalSpec(SpecModel):

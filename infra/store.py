@@ -29,6 +29,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from infra.faults import FaultInjectingFileSystem, StoreFaults
+from infra.s3 import SINGLE_PUT_MAX_BYTES, is_create_conflict, s3_filesystem
+from infra.store_errors import IntegrityError, ObjectExists, ObjectMissing, StoreError
 from infra.retry import RetryPolicy, call_with_retry
 
 # A segment cannot start with '.', which keeps out '.', '..' and hidden temporary files.
@@ -37,22 +39,6 @@ _KEY = re.compile(rf"{_SEGMENT.pattern}(/{_SEGMENT.pattern})*")
 # S3's bucket naming rules (3-63 lowercase letters, digits, dots and hyphens, alphanumeric ends).
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-
-
-class StoreError(RuntimeError):
-    """The store cannot serve a request; the message names the object."""
-
-
-class ObjectMissing(StoreError):
-    pass
-
-
-class ObjectExists(StoreError):
-    pass
-
-
-class IntegrityError(StoreError):
-    """An object's bytes do not match the checksum recorded for them."""
 
 
 def sha256(data: bytes) -> str:
@@ -128,7 +114,7 @@ class ObjectStore:
         self.is_local = not self.url.startswith("s3://")
         self.root = self.url if self.is_local else self.url[len("s3://"):]
         if _shared is None:
-            fs = fsspec.filesystem("file") if self.is_local else _s3_filesystem(endpoint_url, retry)
+            fs = fsspec.filesystem("file") if self.is_local else s3_filesystem(endpoint_url, retry)
             _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs, self.root)
         self._shared = _shared
         self.fs = _shared.fs
@@ -210,9 +196,9 @@ class ObjectStore:
         if not self.is_local:
             try:
                 self._call(f"put {key} to", self.fs.pipe_file, self._path(key), payload, mode="create",
-                           chunksize=_SINGLE_PUT_MAX_BYTES, policy=policy)
+                           chunksize=SINGLE_PUT_MAX_BYTES, policy=policy)
             except OSError as err:
-                if _is_create_conflict(err):
+                if is_create_conflict(err):
                     raise ObjectExists(f"object {key} already exists in {self.url}; objects are written once") from None
                 raise
             return
@@ -346,71 +332,6 @@ class _Shared:
         damaged = bytearray(data)
         damaged[len(damaged) // 2] ^= 0xFF
         return bytes(damaged)
-
-
-# s3fs sends one PUT below 2 * chunksize, capped at S3's 5 GiB single-PUT limit. A conditional
-# single PUT is atomic on S3 and on SeaweedFS. SeaweedFS checks the condition of a multipart
-# completion before, not with, the write it routes to the key's owner filer (weed/s3api/
-# filer_multipart.go, 2026-08), so racing completions can both win: chunks this large keep
-# every object under 5 GiB a single PUT instead of s3fs's multipart from 100 MiB.
-_SINGLE_PUT_MAX_BYTES = 5 * 2**30
-# s3fs's own defaults, capped at the retry budget so that one attempt cannot outlast it.
-_CONNECT_TIMEOUT_S = 5.0
-_READ_TIMEOUT_S = 15.0
-
-
-def _is_create_conflict(error: OSError) -> bool:
-    """A create-only PUT refused because the key exists (HTTP 412 to If-None-Match: *).
-
-    s3fs turns it into FileExistsError only when the answer names the failed condition, as
-    AWS's does; SeaweedFS's does not, and arrives as a plain OSError caused by the ClientError.
-    """
-    if isinstance(error, FileExistsError):
-        return True
-    response = getattr(error.__cause__, "response", None)
-    if not isinstance(response, dict):
-        return False
-    return (response.get("Error", {}).get("Code") == "PreconditionFailed"
-            or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
-
-
-def _require_aws_credentials() -> None:
-    """Fail at once, by name, when the standard AWS chain finds no credentials at all.
-
-    The chain is botocore's: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE with the
-    shared credentials and config files (static keys, roles, SSO, credential_process), then
-    container and instance roles. Credentials are never taken from the spec, and never logged.
-    """
-    import botocore.session
-    from botocore.exceptions import BotoCoreError
-
-    try:
-        found = botocore.session.Session().get_credentials()
-    except BotoCoreError as err:  # e.g. AWS_PROFILE names a profile that no file defines
-        raise StoreError(f"s3 store: the AWS credential chain failed: {err}") from None
-    if found is None:
-        raise StoreError("s3 store needs AWS credentials and found none: set AWS_ACCESS_KEY_ID and "
-                         "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with a shared credentials/config file, "
-                         "or run with an instance or container role")
-
-
-def _s3_filesystem(endpoint_url: str | None, retry: RetryPolicy):
-    """An s3fs filesystem that makes one attempt per call: `retry` (infra/retry.py) is the only
-    retry loop, so its budget bounds a call instead of botocore's and s3fs's retries under it."""
-    _require_aws_credentials()
-    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
-    options: dict = {"use_listings_cache": False, "config_kwargs": {
-        "retries": {"total_max_attempts": 1},
-        "connect_timeout": min(_CONNECT_TIMEOUT_S, retry.budget_s),
-        "read_timeout": min(_READ_TIMEOUT_S, retry.budget_s),
-    }}
-    if endpoint:
-        options["endpoint_url"] = endpoint
-    fs = fsspec.filesystem("s3", **options)
-    # A class attribute in s3fs, not a constructor option; these options are ours alone, so
-    # setting it on the shared instance changes no other user of s3fs.
-    fs.retries = 1
-    return fs
 
 
 def run_store(store_spec, run_id: str) -> ObjectStore:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from infra import layout
-from infra.spec import FailStage, RunSpec
+from infra.fault_spec import FailStage
+from infra.spec import RunSpec
 from infra.store import run_store
 
 

@@ -11,7 +11,8 @@ from infra import layout
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from training.data import DATA_ROOT_ENV, prepare_dataset
+from training.corpora import DATA_ROOT_ENV
+from training.data import prepare_dataset
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from training.data import Document, encode, shard_documents, split_documents, split_validation, text_bytes
+from training.corpora import Document
+from training.data import encode, shard_documents, split_documents, split_validation, text_bytes
 from training.model import BOS
 
 

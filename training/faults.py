@@ -9,7 +9,8 @@ import signal
 
 from infra import layout
 from infra.faults import StoreFaults
-from infra.spec import CloseWindow, CorruptObject, KillLearner, RunSpec, StoreErrors
+from infra.fault_spec import CloseWindow, CorruptObject, KillLearner, StoreErrors
+from infra.spec import RunSpec
 from infra.store import ObjectStore
 from training.events import emit
 

@@ -1,0 +1,45 @@
+"""Faults a run spec can inject, for tests and drills: each names whom it hits and when."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import Field
+
+from infra.spec_model import MAX_WAIT_S, SpecModel
+
+
+class KillLearner(SpecModel):
+    kind: Literal["kill_learner"] = Field(description="SIGKILL a learner's process in the middle of a round.")
+    learner: int = Field(ge=0, description="Global learner index.")
+    round: int = Field(ge=0, description="Round in which it dies (after half its inner steps), once.")
+
+
+class CorruptObject(SpecModel):
+    kind: Literal["corrupt_object"] = Field(description="Corrupt the next object a learner writes.")
+    learner: int = Field(ge=0, description="Global learner index.")
+    round: int = Field(0, ge=0, description="Round whose message from this learner is corrupted.")
+
+
+class StoreErrors(SpecModel):
+    kind: Literal["store_errors"] = Field(description="Transient store faults on every learner's requests.")
+    rate: float = Field(ge=0, le=1, description="Probability that a store request meets a fault.")
+    kinds: list[Literal["timeout", "unavailable", "disconnect", "slow", "truncate"]] = Field(
+        ["timeout", "unavailable", "disconnect", "slow"], min_length=1, description="Fault kinds drawn from.")
+    slow_seconds: float = Field(0.2, ge=0, le=MAX_WAIT_S, description="Delay of a 'slow' fault.")
+
+
+class FailStage(SpecModel):
+    kind: Literal["fail_stage"] = Field(description="Fail a lifecycle stage once, to exercise reruns.")
+    stage: Literal["evaluate", "report", "consolidate", "baseline"] = Field(description="Stage that fails once.")
+
+
+class CloseWindow(SpecModel):
+    kind: Literal["close_window"] = Field(
+        description="End a learner's capacity window right after a round, once, as when a reservation is cut "
+                    "short: it stops as at a window's end and resumes in the island's next window.")
+    learner: int = Field(ge=0, description="Global learner index.")
+    round: int = Field(ge=0, description="Round after which its window closes.")
+
+
+Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage, CloseWindow], Field(discriminator="kind")]

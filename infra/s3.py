@@ -1,0 +1,74 @@
+"""The S3 side of the object store: an s3fs filesystem with one retry loop, and S3's answers read right."""
+
+from __future__ import annotations
+
+import os
+
+import fsspec
+
+from infra.retry import RetryPolicy
+from infra.store_errors import StoreError
+
+# s3fs sends one PUT below 2 * chunksize, capped at S3's 5 GiB single-PUT limit. A conditional
+# single PUT is atomic on S3 and on SeaweedFS. SeaweedFS checks the condition of a multipart
+# completion before, not with, the write it routes to the key's owner filer (weed/s3api/
+# filer_multipart.go, 2026-08), so racing completions can both win: chunks this large keep
+# every object under 5 GiB a single PUT instead of s3fs's multipart from 100 MiB.
+SINGLE_PUT_MAX_BYTES = 5 * 2**30
+# s3fs's own defaults, capped at the retry budget so that one attempt cannot outlast it.
+_CONNECT_TIMEOUT_S = 5.0
+_READ_TIMEOUT_S = 15.0
+
+
+def is_create_conflict(error: OSError) -> bool:
+    """A create-only PUT refused because the key exists (HTTP 412 to If-None-Match: *).
+
+    s3fs turns it into FileExistsError only when the answer names the failed condition, as
+    AWS's does; SeaweedFS's does not, and arrives as a plain OSError caused by the ClientError.
+    """
+    if isinstance(error, FileExistsError):
+        return True
+    response = getattr(error.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    return (response.get("Error", {}).get("Code") == "PreconditionFailed"
+            or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
+
+
+def require_aws_credentials() -> None:
+    """Fail at once, by name, when the standard AWS chain finds no credentials at all.
+
+    The chain is botocore's: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE with the
+    shared credentials and config files (static keys, roles, SSO, credential_process), then
+    container and instance roles. Credentials are never taken from the spec, and never logged.
+    """
+    import botocore.session
+    from botocore.exceptions import BotoCoreError
+
+    try:
+        found = botocore.session.Session().get_credentials()
+    except BotoCoreError as err:  # e.g. AWS_PROFILE names a profile that no file defines
+        raise StoreError(f"s3 store: the AWS credential chain failed: {err}") from None
+    if found is None:
+        raise StoreError("s3 store needs AWS credentials and found none: set AWS_ACCESS_KEY_ID and "
+                         "AWS_SECRET_ACCESS_KEY, or AWS_PROFILE with a shared credentials/config file, "
+                         "or run with an instance or container role")
+
+
+def s3_filesystem(endpoint_url: str | None, retry: RetryPolicy):
+    """An s3fs filesystem that makes one attempt per call: `retry` (infra/retry.py) is the only
+    retry loop, so its budget bounds a call instead of botocore's and s3fs's retries under it."""
+    require_aws_credentials()
+    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    options: dict = {"use_listings_cache": False, "config_kwargs": {
+        "retries": {"total_max_attempts": 1},
+        "connect_timeout": min(_CONNECT_TIMEOUT_S, retry.budget_s),
+        "read_timeout": min(_READ_TIMEOUT_S, retry.budget_s),
+    }}
+    if endpoint:
+        options["endpoint_url"] = endpoint
+    fs = fsspec.filesystem("s3", **options)
+    # A class attribute in s3fs, not a constructor option; these options are ours alone, so
+    # setting it on the shared instance changes no other user of s3fs.
+    fs.retries = 1
+    return fs

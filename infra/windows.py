@@ -1,0 +1,42 @@
+"""Reserved capacity: the spans of time in which an island may compute for a run."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+from pydantic import Field, model_validator
+
+from infra.spec_model import SpecModel
+
+
+class CapacityWindow(SpecModel):
+    """A span of time in which an island's capacity is reserved for this run."""
+
+    start: datetime = Field(description="When the reservation starts (local time in `timezone`, or with an offset).")
+    end: datetime = Field(description="When it ends: a segment stops cleanly (checkpoint, then exit) before this.")
+    timezone: str = Field("UTC", description="IANA timezone of start and end, e.g. Europe/Paris.")
+
+    @model_validator(mode="after")
+    def _ordered_in_a_known_zone(self) -> "CapacityWindow":
+        try:
+            ZoneInfo(self.timezone)
+        except (ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"unknown timezone {self.timezone!r}") from None
+        if self.end_at <= self.start_at:
+            raise ValueError(f"window ends ({self.end}) before it starts ({self.start})")
+        return self
+
+    def _aware(self, moment: datetime) -> datetime:
+        return moment.replace(tzinfo=ZoneInfo(self.timezone)) if moment.tzinfo is None else moment
+
+    @property
+    def start_at(self) -> datetime:
+        return self._aware(self.start)
+
+    @property
+    def end_at(self) -> datetime:
+        return self._aware(self.end)
+
+    def describe(self) -> str:
+        return f"{self.start_at.isoformat()} to {self.end_at.isoformat()} ({self.timezone})"
