@@ -21,7 +21,8 @@ import torch
 from infra import layout
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from training.data import WindowSampler, prepare_dataset, read_stream
+from training.data import prepare_dataset
+from training.streams import WindowSampler, read_stream
 from training.inner import inner_optimizer, optimizer_step
 from training.learner import Learner
 from training.model import build_model

@@ -13,7 +13,7 @@ from infra import layout
 from infra.derived import read_derived
 from infra.spec import RunSpec
 from infra.store import IntegrityError
-from training.data import read_stream
+from training.streams import read_stream
 from training.mixing import weighted_mean
 from training.model import build_model
 from training.params import load_flat_parameters

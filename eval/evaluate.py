@@ -6,7 +6,7 @@ from infra import layout
 from infra.derived import read_derived
 from infra.spec import RunSpec
 from eval.bpb import bits_per_byte
-from training.data import read_stream
+from training.streams import read_stream
 from training.model import build_model
 from training.params import load_flat_parameters
 

@@ -27,6 +27,10 @@ class IslandSpec(SpecModel):
                       pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
     accelerator: str = Field("cpu", description="Accelerator label, for reports (e.g. GB300, B300, cpu).")
     device: Literal["cpu", "cuda"] = Field("cpu", description="Torch device the island's learners train on.")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="Arithmetic of the inner steps' forward and backward passes: bf16 runs them under "
+                            "autocast (the matrix units' fast format on current GPUs); weights, optimizer state, "
+                            "messages and checkpoints stay fp32.")
     learners: int = Field(ge=1, le=64, description="Number of learners (model replicas) on this island.")
     batch_size: int = Field(ge=1, le=MAX_BATCH, description="Sequences per inner step, per learner.")
     seq_len: int = Field(ge=8, le=4096, description="Bytes per training sequence.")

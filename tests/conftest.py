@@ -74,16 +74,16 @@ def no_prefect_server_left_at_exit():
 def two_learner_run(tmp_path):
     """Prepares a run of two one-learner islands in a local store, from small text files.
 
-    Call it with the model and sync settings a test needs; it returns the spec and the run's store.
+    Call it with the model, island and sync settings a test needs; it returns the spec and the run's store.
     """
     for i in range(6):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
-    def prepare(name: str, layers: int, inner_steps: int, run_id: str = "r", **sync):
+    def prepare(name: str, layers: int, inner_steps: int, run_id: str = "r", island: dict | None = None, **sync):
         spec = parse_spec({
             "name": name,
-            "islands": [{"name": island, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": inner_steps}
-                        for island in ("a", "b")],
+            "islands": [{"name": name_, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": inner_steps,
+                         **(island or {})} for name_ in ("a", "b")],
             "model": {"layers": layers, "width": 16, "heads": 2},
             "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
                                   "eval_fraction": 0.2}]},

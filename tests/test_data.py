@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from training.corpora import Document
-from training.data import encode, shard_documents, split_documents, split_validation, text_bytes
+from training.data import encode, shard_documents, split_documents, split_validation
+from training.streams import text_bytes
 from training.model import BOS
 
 

@@ -14,7 +14,7 @@ from eval.bpb import bits_per_byte
 from infra import layout
 from infra.store import ObjectStore
 from training.compression import Codec
-from training.data import read_stream
+from training.streams import read_stream
 from training.learner import Learner, LearnerDiverged
 from training.params import flat_parameters, load_flat_parameters
 

@@ -17,7 +17,7 @@ import torch
 from infra import layout
 from infra.derived import commit_derived
 from infra.spec import RunSpec
-from training.data import WindowSampler, read_stream
+from training.streams import WindowSampler, read_stream
 from training.inner import inner_optimizer, optimizer_step
 from training.model import build_model
 from training.params import flat_parameters

@@ -21,9 +21,9 @@ import torch
 from datasketch import MinHash, MinHashLSH
 
 from infra import layout
-from infra.store import ObjectRef
 from training.corpora import Document, document_rank, load_documents
 from training.model import BOS
+from training.streams import min_stream_tokens, text_bytes
 
 # Words and single punctuation marks: code and prose alike give shingles that reformatting keeps.
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -154,37 +154,6 @@ def encode(docs: list[Document]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int16)
 
 
-def text_bytes(stream: torch.Tensor) -> int:
-    """UTF-8 bytes of text in an encoded stream (separators are not text)."""
-    return int((stream != BOS).sum())
-
-
-def min_stream_tokens(seq_len: int) -> int:
-    """A window is seq_len + 1 tokens (inputs and their shifted targets), drawn from at least two starts."""
-    return seq_len + 2
-
-
-class WindowSampler:
-    """Random (input, target) windows from a learner's stream, reproducible from a seed.
-
-    The learner reseeds the generator every round, so a resumed learner draws exactly the windows
-    it would have drawn.
-    """
-
-    def __init__(self, stream: torch.Tensor, seq_len: int, seed: int):
-        if len(stream) < min_stream_tokens(seq_len):
-            raise ValueError(f"shard of {len(stream)} bytes is too short for seq_len {seq_len}")
-        self.stream = stream.long()
-        self.seq_len = seq_len
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = torch.randint(0, len(self.stream) - self.seq_len - 1, (rows,), generator=self.generator)
-        offsets = torch.arange(self.seq_len + 1)
-        windows = self.stream[starts[:, None] + offsets]
-        return windows[:, :-1], windows[:, 1:]
-
-
 def prepare_dataset(spec, store) -> dict:
     """Split every corpus, shard its training side over the learners, write all of it to the run's store.
 
@@ -249,8 +218,3 @@ def _check_shards_fit(spec, streams: list[torch.Tensor], bytes_from: list[dict[s
                 f"bytes by corpus: {sources}), but islands.{island_index[slot.island.name]}.seq_len "
                 f"{slot.island.seq_len} needs at least {min_stream_tokens(slot.island.seq_len)}: add documents "
                 f"to the corpora or lower seq_len")
-
-
-def read_stream(store, entry: dict) -> torch.Tensor:
-    """A shard or held-out stream named by a manifest entry, verified against its checksum."""
-    return store.get_tensors(ObjectRef.from_json(entry["object"]))["tokens"]

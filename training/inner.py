@@ -4,6 +4,7 @@ AdamW with one set of betas, gradients clipped to one norm, the learning rate se
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,12 @@ CLIP_NORM = 1.0
 
 def inner_optimizer(params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=BETAS)
+
+
+def forward_precision(device: torch.device, precision: str) -> AbstractContextManager:
+    """Where a forward and backward pass runs in bf16: autocast keeps the weights fp32 and casts per
+    operation, so losses and reductions stay fp32 and what a learner sends is unchanged in kind."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:

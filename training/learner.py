@@ -28,10 +28,10 @@ from infra import layout
 from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
 from infra.transport import Transport
-from training.data import WindowSampler, read_stream
+from training.streams import WindowSampler, read_stream
 from training.events import emit
 from training.faults import LearnerFaults
-from training.inner import average_gradients, inner_optimizer, optimizer_step
+from training.inner import average_gradients, forward_precision, inner_optimizer, optimizer_step
 from training.ledger import Ledger, LearnerSummary
 from training.model import build_model
 from training.params import flat_parameters, load_flat_parameters
@@ -179,7 +179,8 @@ class Learner:
         losses = []
         for h in range(island.inner_steps):
             inputs, targets = self.sampler.batch(self.rows)
-            loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
+            with forward_precision(self.device, island.precision):
+                loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
             self.inner.zero_grad(set_to_none=False)
             loss.backward()
             if self.world > 1:
