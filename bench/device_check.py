@@ -83,7 +83,7 @@ def train(store_url: str, precision: str, log: Log) -> dict:
     started = time.monotonic()
     consensus = train_islands(spec, precision, log)
     wall = time.monotonic() - started
-    summaries = read_summaries(store, len(spec.learners))
+    summaries = read_summaries(spec, store)
     computing = sum(s.seconds_computing for s in summaries)
     return {"wall_s": round(wall, 1), "learners": len(summaries),
             "tokens": sum(s.tokens for s in summaries),

@@ -107,7 +107,7 @@ def run_arm(kill: bool, args, log: Log) -> dict:
     consensus = train_islands(spec, run_id, log, restarts=2)
     wall = time.monotonic() - started
     done.set()
-    summaries = read_summaries(store, len(spec.learners))
+    summaries = read_summaries(spec, store)
     result = {"arm": arm_name(kill, args), "wall_s": round(wall, 1),
               "bpb": heldout_bpb(spec, store, layout.CONSOLIDATED),
               "max_weight_distance": consensus["max_weight_distance"],

@@ -323,7 +323,7 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
         raise errors[0]
     consensus = consolidate(spec, store)
     bpb = heldout_bpb(spec, store, layout.CONSOLIDATED)
-    summaries = read_summaries(store, len(spec.learners))
+    summaries = read_summaries(spec, store)
     remote = [s for s in summaries if s.island != plan.server.island]
     computing = sum(s.seconds_computing for s in summaries)
     syncing = sum(s.seconds_syncing for s in summaries)

@@ -2,7 +2,8 @@
 
 Takes islands runs that differ only in `sync.transport` (e.g. configs/demo-streaming*.yaml run
 with `python -m flows.cli run CONFIG`), scores each run's consolidated model on every held-out
-evaluation, and sets its bpb against the first run's (the uncompressed reference). Communication
+evaluation, and sets its bpb against the first run's (the uncompressed reference) with a paired
+bootstrap interval over the held-out documents (same documents, both models). Communication
 figures come from the learners' summaries, as in the run report. Runs with the same model, data
 and tokens share one standard baseline, so its bpb is read from whichever run has one.
 
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from eval.evaluate import heldout_bpb
+from eval.bootstrap import paired_bootstrap
+from eval.evaluate import score_model
 from eval.report import communication
 from infra import layout
 from infra.spec import RunSpec
@@ -31,33 +33,39 @@ def measure(store: ObjectStore, run_id: str) -> dict:
     run = store.child(f"runs/{run_id}")
     spec = RunSpec.model_validate(run.get_json(layout.SPEC))
     transport = spec.sync.transport
-    summaries = read_summaries(run, len(spec.learners))
+    summaries = read_summaries(spec, run)
     comm = communication(spec, summaries, build_model(spec).parameter_counts()["total"], BaselinePlan.of(spec).steps)
     computing = sum(s.seconds_computing for s in summaries)
     syncing = sum(s.seconds_syncing for s in summaries)
     return {"run_id": run_id, "compression": transport.compression, "fragments": transport.fragments,
             "tau": transport.tau, "error_feedback": transport.error_feedback, "topk": transport.topk,
-            "bpb": heldout_bpb(spec, run, layout.CONSOLIDATED),
+            "heldout": score_model(spec, run, layout.CONSOLIDATED)["heldout"],
             "inter_island_bytes": comm["inter_island_bytes"], "intra_island_bytes": comm["intra_island_bytes"],
             "allreduce_equivalent_bytes": comm["allreduce_equivalent_bytes"],
             "inter_island_reduction": comm["inter_island_reduction"], "per_fragment": comm["per_fragment"],
             "link_classes": comm["link_classes"], "utilisation": computing / (computing + syncing),
             "seconds_blocked_on_link": sum(s.seconds_blocked for s in summaries),
-            "baseline_bpb": (heldout_bpb(spec, run, layout.BASELINE)
-                             if run.is_committed(layout.BASELINE) else None)}
+            "baseline_heldout": (score_model(spec, run, layout.BASELINE)["heldout"]
+                                 if run.is_committed(layout.BASELINE) else None)}
+
+
+def relative(a: dict, b: dict) -> str:
+    """A's bpb against B's on the same documents: the difference and its 95% paired-bootstrap interval."""
+    d = paired_bootstrap(a["document_bits"], b["document_bits"], a["document_bytes"])
+    return f"{d.relative:+.2%} [{d.low:+.2%}, {d.high:+.2%}]"
 
 
 def table(results: list[dict]) -> pd.DataFrame:
-    reference = results[0]["bpb"]
-    baseline = next((r["baseline_bpb"] for r in results if r["baseline_bpb"]), None)
+    reference = results[0]["heldout"]
+    baseline = next((r["baseline_heldout"] for r in results if r["baseline_heldout"]), None)
     rows = []
     for r in results:
         row = {"run": r["run_id"], "compression": r["compression"], "fragments": r["fragments"], "tau": r["tau"]}
-        for name, bpb in r["bpb"].items():
-            row[f"{name}_bpb"] = round(bpb, 4)
-            row[f"{name}_vs_first"] = f"{(bpb - reference[name]) / reference[name]:+.2%}"
+        for name, scored in r["heldout"].items():
+            row[f"{name}_bpb"] = round(scored["bpb"], 4)
+            row[f"{name}_vs_first"] = relative(scored, reference[name])
             if baseline:
-                row[f"{name}_vs_standard"] = f"{(bpb - baseline[name]) / baseline[name]:+.2%}"
+                row[f"{name}_vs_standard"] = relative(scored, baseline[name])
         row.update({"inter_island_MB": round(r["inter_island_bytes"] / 1e6, 2),
                     "vs_allreduce": f"{r['inter_island_reduction']:.0f}x",
                     "peak_fragment_MB_per_round": round(max(f["bytes_sent_per_round"] for f in r["per_fragment"]) / 1e6, 3),
@@ -78,7 +86,9 @@ def main() -> None:
         print(f"measured {r['run_id']}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
-    print(table(results).to_markdown(index=False))
+    markdown = table(results).to_markdown(index=False)
+    Path(args.out).with_suffix(".md").write_text(markdown + "\n")
+    print(markdown)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from infra import layout
 from infra.derived import read_derived
 from infra.spec import RunSpec
 from infra.store import IntegrityError
+from infra.stores import RunStores
 from training.streams import read_stream
 from training.mixing import weighted_mean
 from training.model import build_model
@@ -23,13 +24,14 @@ CURVE_EVAL_BYTES = 16_384
 
 
 def _islands_model(spec: RunSpec, store, round_index: int):
+    stores = RunStores(spec, store)
     weights, tokens = [], []
     for slot in spec.learners:
         key = layout.checkpoint(slot.index, round_index)
-        if not store.is_committed(key):
+        if not stores.learner(slot.index).is_committed(key):
             continue
         try:
-            weights.append(store.read_committed(key)[0]["weights"])
+            weights.append(stores.learner(slot.index).read_committed(key)[0]["weights"])
         except IntegrityError:  # left out, as consolidation leaves out a corrupt final checkpoint
             continue
         tokens.append(slot.tokens_per_round())

@@ -43,7 +43,24 @@ def communication(spec: RunSpec, summaries: list[LearnerSummary], parameters: in
                          "checkpoint_bytes": s.checkpoint_bytes} for s in summaries],
         "link_classes": link_classes(summaries),
         "per_fragment": fragment_bytes(summaries),
+        "per_store": store_bytes(summaries),
     }
+
+
+def store_bytes(summaries: list[LearnerSummary]) -> dict:
+    """Per store (its URL): message bytes written to it and read from it, and checkpoint bytes written
+    to it, summed over learners. With islands on stores of their own, what crosses between sites is
+    what one island reads from another's store."""
+    totals: dict[str, dict] = {}
+    for s in summaries:
+        for url, moved in s.stores.items():
+            row = totals.setdefault(url, {"messages_written": 0, "messages_read": 0, "checkpoints_written": 0})
+            row["messages_written"] += moved["written"]
+            row["messages_read"] += moved["read"]
+        if s.store_url:
+            totals.setdefault(s.store_url, {"messages_written": 0, "messages_read": 0, "checkpoints_written": 0})
+            totals[s.store_url]["checkpoints_written"] += s.checkpoint_bytes
+    return totals
 
 
 def link_classes(summaries: list[LearnerSummary]) -> dict:
@@ -142,16 +159,15 @@ def evaluation_table(report: dict) -> pd.DataFrame:
                          for name, e in report["evals"].items()])
 
 
-def fault_report(spec: RunSpec, summaries: list[LearnerSummary], checkpointed_rounds: dict[int, int],
-                 fault_markers: list[str]) -> dict:
+def fault_report(spec: RunSpec, summaries: list[LearnerSummary], fault_markers: list[str]) -> dict:
     """What went wrong during the run and what it cost, injected or not.
 
     `failures` counts from the learners' own records of their lives, so a learner killed from
     outside counts the same as a drill's: `restarts` (a life that began after one that did not end
     at its capacity window's end: a process death and the task retry that followed),
     `rejoined_from_peer`, and the rounds (and tokens) skipped by rejoining. `recovered`: learners
-    that restarted and still finished the run. `rounds_lost`: learner-rounds without that
-    learner's own checkpoint (work that was lost or skipped by rejoining from a peer).
+    that restarted and still finished the run. `rounds_lost`: learner-rounds missing from that
+    learner's own record of its rounds (skipped by rejoining from a peer).
     """
     store_faults: dict[str, int] = {}
     for s in summaries:
@@ -172,7 +188,7 @@ def fault_report(spec: RunSpec, summaries: list[LearnerSummary], checkpointed_ro
             "tokens_skipped": sum(n * spec.learners[learner].tokens_per_round() for learner, n in skipped.items()),
         },
         "recovered": sum(1 for lives in restarts.values() if lives),
-        "rounds_lost": sum(spec.sync.rounds - n for n in checkpointed_rounds.values()),
+        "rounds_lost": sum(spec.sync.rounds - len({r["round"] for r in s.rounds}) for s in summaries),
         "corrupt_reads_detected": sum(s.corrupt_reads_detected for s in summaries),
         "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
         "store_retries": sum(s.store["retries"] for s in summaries),

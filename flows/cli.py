@@ -13,7 +13,8 @@ from pathlib import Path
 from infra import layout
 from infra.lease import LeaseHeld
 from infra.spec import RunSpec, SpecError, StoreSpec, check_windows_ahead, load_spec, parse_spec
-from infra.store import ObjectStore, StoreError, run_store
+from infra.store import StoreError, run_store
+from infra.stores import check_stores_reachable
 
 # Ephemeral Prefect: no telemetry off the machine, and room for a slow first start (database migrations).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -23,7 +24,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     """Check the store before any work, run the lifecycle, print the result table."""
     try:
-        ObjectStore.from_spec(spec.store).check_reachable()
+        check_stores_reachable(spec)
     except StoreError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -29,6 +29,11 @@ def learner_prefix(learner: int) -> str:
     return f"learners/{learner:03d}"
 
 
+def learner_of(key: str) -> int:
+    """Whose object a key under `learner_prefix` is."""
+    return int(key.split("learners/")[1].split("/")[0])
+
+
 def round_prefix(learner: int, round_index: int) -> str:
     return f"{learner_prefix(learner)}/round-{round_index:05d}"
 
@@ -85,6 +90,12 @@ def rewrite(key: str, attempt: int) -> str:
 def checkpoint_rounds(keys: list[str]) -> list[int]:
     """The rounds of the committed checkpoints among a learner's keys (as `store.list` returns them)."""
     return [int(key.split("/round-")[1].split("/")[0]) for key in keys if key.endswith("/checkpoint.json")]
+
+
+def committed_messages(keys: list[str]) -> list[tuple[int, str]]:
+    """(round, key) of the committed messages among a learner's keys (as `store.list` returns them)."""
+    return [(int(key.split("/round-")[1].split("/")[0]), key.removesuffix(".json"))
+            for key in keys if "/message" in key and key.endswith(".json")]
 
 
 KILLED_LEARNER, CLOSED_WINDOW, FAILED_STAGE = "killed-learner", "closed-window", "failed-stage"

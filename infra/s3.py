@@ -55,16 +55,34 @@ def require_aws_credentials() -> None:
                          "or run with an instance or container role")
 
 
-def s3_filesystem(endpoint_url: str | None, retry: RetryPolicy):
+def credentials_from_env(prefix: str) -> dict[str, str]:
+    """s3fs's key, secret (and token) from <prefix>_AWS_*: one site's credentials beside another's.
+    A missing variable is named; no value ever is."""
+    names = {"key": f"{prefix}_AWS_ACCESS_KEY_ID", "secret": f"{prefix}_AWS_SECRET_ACCESS_KEY"}
+    missing = [name for name in names.values() if not os.environ.get(name)]
+    if missing:
+        raise StoreError(f"s3 store with credentials_env {prefix}: {' and '.join(missing)} not set")
+    found = {option: os.environ[name] for option, name in names.items()}
+    if os.environ.get(f"{prefix}_AWS_SESSION_TOKEN"):
+        found["token"] = os.environ[f"{prefix}_AWS_SESSION_TOKEN"]
+    return found
+
+
+def s3_filesystem(endpoint_url: str | None, retry: RetryPolicy, credentials_env: str | None = None):
     """An s3fs filesystem that makes one attempt per call: `retry` (infra/retry.py) is the only
-    retry loop, so its budget bounds a call instead of botocore's and s3fs's retries under it."""
-    require_aws_credentials()
-    endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
+    retry loop, so its budget bounds a call instead of botocore's and s3fs's retries under it.
+    Credentials: from <credentials_env>_AWS_* when given, else the standard AWS chain."""
     options: dict = {"use_listings_cache": False, "config_kwargs": {
         "retries": {"total_max_attempts": 1},
         "connect_timeout": min(_CONNECT_TIMEOUT_S, retry.budget_s),
         "read_timeout": min(_READ_TIMEOUT_S, retry.budget_s),
     }}
+    if credentials_env:
+        options.update(credentials_from_env(credentials_env))
+        endpoint = endpoint_url or os.environ.get(f"{credentials_env}_AWS_ENDPOINT_URL")
+    else:
+        require_aws_credentials()
+        endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         options["endpoint_url"] = endpoint
     fs = fsspec.filesystem("s3", **options)

@@ -22,6 +22,54 @@ from infra.store import StoreError, parse_store_url
 from infra.windows import CapacityWindow
 
 
+class StoreSpec(SpecModel):
+    url: str = Field(".archipelago/store",
+                     description="Object store root: a local folder, or s3://bucket/prefix. "
+                                 "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for S3-compatible servers (http(s)://host[:port], no credentials); "
+                          "defaults to $AWS_ENDPOINT_URL.")
+    credentials_env: str | None = Field(
+        None, pattern=r"^[A-Z][A-Z0-9_]{0,47}$",
+        description="Prefix of the environment variables with this store's S3 credentials: "
+                    "<PREFIX>_AWS_ACCESS_KEY_ID, <PREFIX>_AWS_SECRET_ACCESS_KEY, optionally <PREFIX>_AWS_SESSION_TOKEN "
+                    "and <PREFIX>_AWS_ENDPOINT_URL. Empty: the standard AWS credential chain.")
+    retry_attempts: int = Field(8, ge=1, le=100, description="Attempts per store request before its stage fails.")
+    retry_budget_s: float = Field(120, gt=0, le=MAX_WAIT_S, description="Seconds one store request may spend retrying.")
+
+    @field_validator("url")
+    @classmethod
+    def _a_store_url(cls, url: str) -> str:
+        # Checked, not rewritten: a relative folder stays relative to where the run is started.
+        try:
+            parse_store_url(url)
+        except StoreError as err:
+            raise ValueError(str(err)) from None
+        return url
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
+        # The spec is stored with the run and shown in the UI: credentials only ever come from the
+        # environment. The messages do not repeat the URL, which may hold them.
+        if url is None:
+            return url
+        try:
+            parts = urlsplit(url)
+            parts.port  # a malformed port raises only when read
+        except ValueError:
+            raise ValueError("not a valid URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be http(s)://host[:port]")
+        if "@" in parts.netloc:
+            raise ValueError("must not carry credentials (user:password@host); S3 credentials come from "
+                             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        if parts.query or parts.fragment:
+            raise ValueError("must not have a query string or fragment (where signed credentials would go); "
+                             "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        return url
+
+
 class IslandSpec(SpecModel):
     name: str = Field(description="Island name, unique in the run (a site or cluster).",
                       pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
@@ -38,6 +86,10 @@ class IslandSpec(SpecModel):
     processes_per_learner: int = Field(
         1, ge=1, le=16,
         description="Data-parallel processes per learner; more than one runs the learner under torchrun.")
+    store: StoreSpec | None = Field(
+        None, description="The island's own object store (a bucket near its accelerators): its learners' shards, "
+                          "checkpoints and messages live there, and only the messages partners on other islands "
+                          "read cross the link. Empty: the run's store.")
     windows: list[CapacityWindow] = Field(
         default_factory=list,
         description="Reserved capacity windows; the island trains only inside them, resuming in the next one. "
@@ -214,6 +266,16 @@ class SyncSpec(SpecModel):
                                 "a round; the late partner still mixes with the message when it gets there.")
     transport: TransportSpec = Field(default_factory=TransportSpec,
                                      description="Fragments, overlap, compression and bandwidth of the exchanges.")
+    checkpoint_every: int = Field(
+        1, ge=1, le=MAX_STEPS,
+        description="Rounds between a learner's checkpoints; the last round, the rounds the bpb curve scores and a "
+                    "round a capacity window ends after are always checkpointed. A restart replays at most this "
+                    "many rounds.")
+    keep_checkpoints: int | None = Field(
+        2, ge=1, le=MAX_STEPS,
+        description="Newest committed checkpoints each learner keeps (besides the bpb curve's rounds); older ones "
+                    "are retired, and so is a message once every learner that could read it has committed a "
+                    "checkpoint of a later round. Empty: keep everything.")
 
 
 class BaselineSpec(SpecModel):
@@ -224,49 +286,6 @@ class BaselineSpec(SpecModel):
     global_batch: int | None = Field(
         None, ge=1, le=MAX_BATCH, description="Rows per step; defaults to the sum of the learners' batch sizes. "
                                               "The token count stays the islands run's either way.")
-
-
-class StoreSpec(SpecModel):
-    url: str = Field(".archipelago/store",
-                     description="Object store root: a local folder, or s3://bucket/prefix. "
-                                 "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
-    endpoint_url: str | None = Field(
-        None, description="S3 endpoint for S3-compatible servers (http(s)://host[:port], no credentials); "
-                          "defaults to $AWS_ENDPOINT_URL.")
-    retry_attempts: int = Field(8, ge=1, le=100, description="Attempts per store request before its stage fails.")
-    retry_budget_s: float = Field(120, gt=0, le=MAX_WAIT_S, description="Seconds one store request may spend retrying.")
-
-    @field_validator("url")
-    @classmethod
-    def _a_store_url(cls, url: str) -> str:
-        # Checked, not rewritten: a relative folder stays relative to where the run is started.
-        try:
-            parse_store_url(url)
-        except StoreError as err:
-            raise ValueError(str(err)) from None
-        return url
-
-    @field_validator("endpoint_url")
-    @classmethod
-    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
-        # The spec is stored with the run and shown in the UI: credentials only ever come from the
-        # environment. The messages do not repeat the URL, which may hold them.
-        if url is None:
-            return url
-        try:
-            parts = urlsplit(url)
-            parts.port  # a malformed port raises only when read
-        except ValueError:
-            raise ValueError("not a valid URL") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be http(s)://host[:port]")
-        if "@" in parts.netloc:
-            raise ValueError("must not carry credentials (user:password@host); S3 credentials come from "
-                             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
-        if parts.query or parts.fragment:
-            raise ValueError("must not have a query string or fragment (where signed credentials would go); "
-                             "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
-        return url
 
 
 class EvalSpec(SpecModel):

@@ -13,6 +13,7 @@ Nothing read from the store is unpickled: tensors are safetensors, metadata is J
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -107,14 +108,15 @@ class ObjectStore:
     """A prefix of a local folder or an S3 bucket, seen as write-once checksummed objects."""
 
     def __init__(self, url: str, endpoint_url: str | None = None, retry: RetryPolicy = RetryPolicy(),
-                 faults: StoreFaults | None = None, _shared: "_Shared | None" = None):
+                 faults: StoreFaults | None = None, credentials_env: str | None = None,
+                 _shared: "_Shared | None" = None):
         self.url = parse_store_url(url)
         self.endpoint_url = endpoint_url
         self.retry = retry
         self.is_local = not self.url.startswith("s3://")
         self.root = self.url if self.is_local else self.url[len("s3://"):]
         if _shared is None:
-            fs = fsspec.filesystem("file") if self.is_local else s3_filesystem(endpoint_url, retry)
+            fs = fsspec.filesystem("file") if self.is_local else s3_filesystem(endpoint_url, retry, credentials_env)
             _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs, self.root)
         self._shared = _shared
         self.fs = _shared.fs
@@ -122,12 +124,18 @@ class ObjectStore:
     @classmethod
     def from_spec(cls, store_spec, faults: StoreFaults | None = None) -> "ObjectStore":
         return cls(store_spec.url, store_spec.endpoint_url,
-                   RetryPolicy(attempts=store_spec.retry_attempts, budget_s=store_spec.retry_budget_s), faults)
+                   RetryPolicy(attempts=store_spec.retry_attempts, budget_s=store_spec.retry_budget_s), faults,
+                   store_spec.credentials_env)
 
     def child(self, prefix: str) -> "ObjectStore":
         """A sub-prefix sharing this store's connection, retry policy, faults and counters."""
         validate_key(prefix)
         return ObjectStore(f"{self.url}/{prefix}", self.endpoint_url, self.retry, _shared=self._shared)
+
+    @property
+    def prefix(self) -> str:
+        """Where this store sits under the root it was opened at (e.g. `runs/<run id>`); empty at the root."""
+        return self.root[len(self._shared.root):].lstrip("/")
 
     @property
     def stats(self) -> dict[str, int]:
@@ -240,6 +248,27 @@ class ObjectStore:
         root = self.root + "/"
         return sorted(p.split(root, 1)[1] if root in p else p for p in found
                       if not Path(p).name.startswith("."))
+
+    def retire(self, key: str, listed: list[str] | None = None) -> int:
+        """Remove a committed object for good: its JSON commit first, so that no reader finds it half
+        there, then what the commit names (tensors, or a message's parts). Only state nothing will read
+        again is retired (see training/retention.py): a retired key is never written again. `listed`:
+        keys of the object's folder, when the caller has them. Returns the objects removed."""
+        folder = key.rpartition("/")[0]
+        siblings = listed if listed is not None else self.list(folder)
+        commit = f"{key}.json"
+        rest = [k for k in siblings if k.startswith(f"{key}.") and k != commit]
+        removed = 0
+        for k in [commit, *rest]:
+            try:
+                self._call(f"remove {k} from", self.fs.rm_file, self._path(k))
+                removed += 1
+            except FileNotFoundError:
+                continue
+        if self.is_local:
+            with contextlib.suppress(OSError):  # a folder still holding the round's other objects stays
+                os.rmdir(self._path(folder))
+        return removed
 
     def wait_for(self, key: str, timeout_s: float, poll_s: float = 0.05,
                  give_up: Callable[[], bool] = lambda: False) -> bool:

@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from infra import layout
 from infra.store import ObjectExists, ObjectRef, ObjectStore, StoreError, sha256
 
 LINK_CLASSES = ("inter", "intra")
@@ -97,8 +98,14 @@ class LinkBudget:
 class Transport:
     def __init__(self, store: ObjectStore, chunk_bytes: int = 64 << 20,
                  bytes_per_s: dict[str, float | None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 read_from: Callable[[int], ObjectStore] | None = None):
+        """Messages are written to `store`; a peer's is read from `read_from(peer)` (its island's
+        store, see infra/stores.py), by default `store` too."""
         self.store, self.chunk_bytes, self.clock, self.sleep = store, chunk_bytes, clock, sleep
+        self.read_from = read_from
+        # Message bytes by the store they went to and came from (its URL), for the report.
+        self.by_store: dict[str, dict[str, int]] = {}
         rates = bytes_per_s or {}
         self.budgets = {link: LinkBudget(rates.get(link), clock, sleep) for link in LINK_CLASSES}
         self.counters = {link: LinkCounters() for link in LINK_CLASSES}
@@ -108,10 +115,11 @@ class Transport:
         self._worker: threading.Thread | None = None
 
     @classmethod
-    def of(cls, store: ObjectStore, settings) -> "Transport":
+    def of(cls, store: ObjectStore, settings, read_from: Callable[[int], ObjectStore] | None = None) -> "Transport":
         """The transport a run's `sync.transport` settings describe."""
         return cls(store, settings.chunk_bytes,
-                   {"inter": settings.bandwidth.inter_island, "intra": settings.bandwidth.intra_island})
+                   {"inter": settings.bandwidth.inter_island, "intra": settings.bandwidth.intra_island},
+                   read_from=read_from)
 
     # -- the queue ------------------------------------------------------------------------------
 
@@ -170,6 +178,7 @@ class Transport:
         commit = self._timed(link, lambda: self.store.put_json(f"{key}.json", body))
         written = sum(r.nbytes for r in refs) + commit.nbytes
         self.counters[link].bytes_written += written
+        self._count(self.store, "written", written)
         self.counters[link].messages_written += 1
         return written
 
@@ -185,12 +194,14 @@ class Transport:
 
         The commit is a peer's word: it may only point at its own message's objects, and at no more
         than `max_bytes` of them, or nothing is read (MalformedMessage)."""
-        meta, meta_bytes = self._timed(link, lambda: self.store._get_json_sized(f"{key}.json"), size=lambda r: r[1])
+        source = self._source(key)
+        meta, meta_bytes = self._timed(link, lambda: source._get_json_sized(f"{key}.json"), size=lambda r: r[1])
         refs = _message_refs(key, meta, max_bytes)
-        data = b"".join(self._timed(link, lambda ref=ref: self.store.get_bytes(ref.key, ref.sha256))
+        data = b"".join(self._timed(link, lambda ref=ref: source.get_bytes(ref.key, ref.sha256))
                         for ref in refs)
         nbytes = len(data) + meta_bytes
         self.counters[link].bytes_read += nbytes
+        self._count(source, "read", nbytes)
         self.counters[link].messages_read += 1
         try:
             return load_safetensors(data), meta, nbytes
@@ -199,7 +210,14 @@ class Transport:
 
     def wait_for_message(self, key: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
         """Whether a message's commit appeared within `timeout_s`; False at once when `give_up()` says so."""
-        return self.store.wait_for(f"{key}.json", timeout_s, give_up=give_up)
+        return self._source(key).wait_for(f"{key}.json", timeout_s, give_up=give_up)
+
+    def _source(self, key: str) -> ObjectStore:
+        return self.store if self.read_from is None else self.read_from(layout.learner_of(key))
+
+    def _count(self, store: ObjectStore, direction: str, nbytes: int) -> None:
+        totals = self.by_store.setdefault(store.url, {"written": 0, "read": 0})
+        totals[direction] += nbytes
 
     def _timed(self, link: str, transfer: Callable, size: Callable = len):
         """Run one chunk's transfer, then hold the caller until the budget says it has left the link."""
@@ -214,9 +232,10 @@ class Transport:
     def report(self) -> dict[str, dict]:
         return {link: asdict(c) for link, c in self.counters.items()}
 
-    def load_report(self, saved: dict[str, dict]) -> None:
+    def load_report(self, saved: dict[str, dict], by_store: dict[str, dict[str, int]] | None = None) -> None:
         """Counters of this learner's earlier lives, so a restarted learner's totals include them."""
         for link, values in saved.items():
             if link in self.counters:
                 self.counters[link] = LinkCounters(**values)
+        self.by_store = {url: dict(totals) for url, totals in (by_store or {}).items()}
 

@@ -37,12 +37,10 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
                    wall_seconds: float) -> dict:
     fail_once_if_asked(spec, run_id, "report")
     store = run_store(spec.store, run_id)
-    summaries = read_summaries(store, len(spec.learners))
-    checkpointed = {s.index: len(layout.checkpoint_rounds(store.list(layout.learner_prefix(s.index))))
-                    for s in spec.learners}
+    summaries = read_summaries(spec, store)
     report = build_report(spec, run_id, evals, consensus, summaries, baseline,
                           build_model(spec).parameter_counts(), wall_seconds)
-    report["faults"] = fault_report(spec, summaries, checkpointed, store.list("faults"))
+    report["faults"] = fault_report(spec, summaries, store.list("faults"))
     store.put_json(layout.REPORT, report)
     table = evaluation_table(report)
     create_table_artifact(table.round(5).to_dict(orient="records"), key="bpb-table",
@@ -70,7 +68,7 @@ def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list
     local folder or a private bucket the browser cannot read.
     """
     store = run_store(spec.store, run_id)
-    summaries = read_summaries(store, len(spec.learners))
+    summaries = read_summaries(spec, store)
     pngs = {"bpb-vs-tokens": (figures.bpb_versus_tokens(curve, CURVE_EVAL_BYTES),
                               "Bits per byte versus tokens, islands and standard"),
             "communication": (figures.communication(communication),

@@ -16,6 +16,7 @@ from prefect.deployments import run_deployment
 from infra import layout
 from infra.spec import RunSpec
 from infra.store import run_store
+from infra.stores import RunStores
 from tasks.stage import stage
 
 SEGMENT_FLOW = "segment"
@@ -54,7 +55,7 @@ def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
             raise RuntimeError(f"island {island}: segment {flow_run.name} on work pool {flow_run.work_pool_name} "
                                f"ended {flow_run.state.name}: {flow_run.state.message}")
         segments.append({"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name})
-        if all(store.exists(layout.learner_summary(i)) for i in learners):
+        if all(RunStores(spec, store).learner(i).exists(layout.learner_summary(i)) for i in learners):
             logger.info("island %s finished in %d segment(s) on work pool %s", island, len(segments),
                         flow_run.work_pool_name)
             return {"island": island, "segments": segments}

@@ -13,6 +13,7 @@ from infra import layout
 from infra.launch import LearnerProcess, run_learner, threads_per_process
 from infra.spec import RunSpec
 from infra.store import run_store
+from infra.stores import RunStores
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
 from training.baseline import train_baseline
@@ -59,7 +60,8 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
     run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until),
                 spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress))
     return {"learner": learner, "island": island,
-            "finished": run_store(spec.store, run_id).exists(layout.learner_summary(learner))}
+            "finished": RunStores(spec, run_store(spec.store, run_id)).learner(learner).exists(
+                layout.learner_summary(learner))}
 
 
 @stage("consolidate")

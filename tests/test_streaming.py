@@ -17,9 +17,9 @@ from training.params import flat_parameters
 
 @pytest.fixture
 def run(two_learner_run):
-    def make(partner_timeout_s=30, outer=None, run_id="r", **transport):
+    def make(partner_timeout_s=30, outer=None, run_id="r", keep_checkpoints=2, **transport):
         return two_learner_run("streaming", layers=2, inner_steps=3, run_id=run_id, rounds=6,
-                               partner_timeout_s=partner_timeout_s,
+                               partner_timeout_s=partner_timeout_s, keep_checkpoints=keep_checkpoints,
                                **({"outer": outer} if outer else {}),
                                transport={"fragments": 2, "tau": 1, "compression": "int8", **transport})
 
@@ -127,7 +127,8 @@ def test_learners_stay_together_with_each_setting(run, compression, own_exact):
 def test_checkpoints_written_in_the_background_hold_the_state_at_the_end_of_their_round(run):
     checkpoints = {}
     for background in (False, True):
-        spec, store = run(run_id=f"background-{background}", checkpoint_in_background=background)
+        spec, store = run(run_id=f"background-{background}", checkpoint_in_background=background,
+                          keep_checkpoints=None)
         learners = [Learner(spec, store, i) for i in range(2)]
         run_both(learners)
         assert all(learner.ledger.missed_exchanges == [] for learner in learners)

@@ -8,11 +8,13 @@ from infra import layout
 from infra.derived import commit_derived
 from infra.spec import RunSpec
 from infra.store import IntegrityError
+from infra.stores import RunStores
 from training.mixing import weighted_mean
 
 
 def consolidate(spec: RunSpec, store) -> dict:
-    """Token-weighted mean of the learners' final weights, written to the store as the run's model.
+    """Token-weighted mean of the learners' final weights (each read from its island's store), written to
+    the run's store as the run's model.
 
     A learner without a final-round checkpoint (it rejoined from a peer after the peers had
     finished) is left out and named, and so is one whose final checkpoint is corrupt: no retry
@@ -20,14 +22,15 @@ def consolidate(spec: RunSpec, store) -> dict:
     distance to the mean, relative to the mean's norm; in `allreduce` mode it is 0.
     """
     final_round = spec.sync.rounds - 1
+    stores = RunStores(spec, store)
     weights, tokens, included, missing, corrupt = [], [], [], [], []
     for slot in spec.learners:
         key = layout.checkpoint(slot.index, final_round)
-        if not store.is_committed(key):
+        if not stores.learner(slot.index).is_committed(key):
             missing.append(slot.index)
             continue
         try:
-            tensors, _, _ = store.read_committed(key)
+            tensors, _, _ = stores.learner(slot.index).read_committed(key)
         except IntegrityError:
             corrupt.append(slot.index)
             continue

@@ -21,6 +21,7 @@ import torch
 from datasketch import MinHash, MinHashLSH
 
 from infra import layout
+from infra.stores import RunStores
 from training.corpora import Document, document_rank, load_documents
 from training.model import BOS
 from training.streams import min_stream_tokens, text_bytes
@@ -195,10 +196,12 @@ def prepare_dataset(spec, store) -> dict:
         ref = store.put_tensors(layout.heldout(name), {"tokens": stream})
         heldout[name] = {"object": ref.to_json(), "documents": len(held), "bytes": text_bytes(stream),
                          "document_ids": sorted(d.id for d in held)}
-    shards = []
+    shards, stores = [], RunStores(spec, store)
     for slot, docs, stream in zip(learners, per_learner, streams):
-        ref = store.put_tensors(layout.shard(slot.index), {"tokens": stream})
-        shards.append({"learner": slot.index, "island": slot.island.name, "object": ref.to_json(),
+        # In the learner's island's store: read once per life of the learner, it never crosses the link.
+        home = stores.learner(slot.index)
+        ref = home.put_tensors(layout.shard(slot.index), {"tokens": stream})
+        shards.append({"learner": slot.index, "island": slot.island.name, "object": ref.to_json(), "store": home.url,
                        "documents": len(docs), "bytes": text_bytes(stream),
                        "planned_tokens": shares[slot.index],
                        "document_ids": sorted(d.id for d in docs)})

@@ -11,7 +11,7 @@ from infra import layout
 from infra.faults import StoreFaults
 from infra.fault_spec import CloseWindow, CorruptObject, KillLearner, StoreErrors
 from infra.spec import RunSpec
-from infra.store import ObjectStore
+from infra.stores import RunStores
 from training.events import emit
 
 
@@ -25,8 +25,9 @@ def store_faults(spec: RunSpec, learner: int) -> StoreFaults | None:
 
 
 class LearnerFaults:
-    def __init__(self, spec: RunSpec, store: ObjectStore, learner: int):
-        self.spec, self.store, self.learner = spec, store, learner
+    def __init__(self, spec: RunSpec, stores: RunStores, learner: int):
+        """Markers go to the run's store (the report counts them there); a corrupt message to the learner's own."""
+        self.spec, self.stores, self.learner = spec, stores, learner
 
     def closes_windows(self) -> bool:
         return bool(self.spec.faults_of(CloseWindow))
@@ -44,12 +45,12 @@ class LearnerFaults:
     def maybe_corrupt(self, round_index: int) -> None:
         """The round's message is written corrupt (called on the transport thread just before the write)."""
         if self.spec.fault_at(CorruptObject, self.learner, round_index):
-            self.store.corrupt_next_write()
+            self.stores.learner(self.learner).corrupt_next_write()
             emit("fault", learner=self.learner, kind="corrupt_object", round=round_index)
 
     def _strike_once(self, kind: str, round_index: int) -> bool:
         marker = layout.fault_marker(kind, self.learner, round_index)
-        if self.store.exists(marker):
+        if self.stores.run.exists(marker):
             return False
-        self.store.put_json(marker, {"learner": self.learner, "round": round_index})
+        self.stores.run.put_json(marker, {"learner": self.learner, "round": round_index})
         return True

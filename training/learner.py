@@ -27,6 +27,7 @@ import torch.distributed as dist
 from infra import layout
 from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
+from infra.stores import RunStores
 from infra.transport import Transport
 from training.streams import WindowSampler, read_stream
 from training.events import emit
@@ -35,7 +36,8 @@ from training.inner import average_gradients, forward_precision, inner_optimizer
 from training.ledger import Ledger, LearnerSummary
 from training.model import build_model
 from training.params import flat_parameters, load_flat_parameters
-from training.schedule import learning_rate
+from training.retention import Retention
+from training.schedule import curve_rounds, learning_rate
 from training.state import Checkpointer, LearnerState, Lives, choose_resume_point, own_ledger
 from training.sync import Exchange, Exchanger, partner_wait_s
 
@@ -45,25 +47,32 @@ class LearnerDiverged(RuntimeError):
 
 
 class Learner:
-    def __init__(self, spec: RunSpec, store: ObjectStore, index: int, rank: int = 0, world: int = 1):
-        self.spec, self.store, self.rank, self.world = spec, store, rank, world
+    def __init__(self, spec: RunSpec, stores: RunStores | ObjectStore, index: int, rank: int = 0, world: int = 1):
+        """`stores`: where the run's objects live (a plain store: the run's, for every island)."""
+        self.stores = stores if isinstance(stores, RunStores) else RunStores(spec, stores)
+        self.spec, self.store, self.rank, self.world = spec, self.stores.learner(index), rank, world
         self.slot: LearnerSlot = spec.learners[index]
         self.device = torch.device(self.slot.island.device if self.slot.island.device == "cpu"
                                    else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         self.model = build_model(spec).to(self.device)
         self.inner = inner_optimizer(self.model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
-        self.transport = Transport.of(store, spec.sync.transport)
-        self.lives = Lives(store)
-        self.faults = LearnerFaults(spec, store, index)
+        self.transport = Transport.of(self.store, spec.sync.transport, read_from=self.stores.learner)
+        self.lives = Lives(self.stores.learner)
+        self.faults = LearnerFaults(spec, self.stores, index)
         self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, flat_parameters(self.model).cpu(),
                                    skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
         self.ledger = Ledger()
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.device)
-        self.checkpoints = Checkpointer(store, self.transport, self.ledger,
-                                        spec.sync.transport.checkpoint_in_background)
+        # The bpb curve scores the learners' checkpoints of these rounds once training is over.
+        self.curve_rounds = set(curve_rounds(spec.sync.rounds))
+        self.checkpoints = Checkpointer(self.store, self.transport, self.ledger,
+                                        spec.sync.transport.checkpoint_in_background,
+                                        Retention(self.stores.learner, index, len(spec.learners), spec.sync.keep_checkpoints,
+                                                  pinned=self.curve_rounds))
+        self.checkpointed = -1  # the newest round this life has checkpointed
         self.pending: Exchange | None = None
         self._sync_seconds = 0.0
-        shard = read_stream(store, store.get_json(layout.DATA_MANIFEST)["shards"][index])
+        shard = read_stream(self.store, self.stores.run.get_json(layout.DATA_MANIFEST)["shards"][index])
         self.sampler = WindowSampler(shard, self.slot.island.seq_len, seed=spec.seed)
         self.rows = self.slot.island.batch_size // world
         self.start_round, self.rejoined_from = 0, None
@@ -82,11 +91,12 @@ class Learner:
         point = None
         if self.rank == 0:
             self.life = len(self.lives.of(self.slot.index))
-            point = choose_resume_point(self.store, self.slot.index, len(self.spec.learners)) if self.life else None
+            point = choose_resume_point(self.stores.learner, self.slot.index, len(self.spec.learners)) if self.life \
+                else None
         learner, t = self._from_rank0((point.learner, point.round) if point else (-1, -1))
         if t >= 0:
             tensors, meta = (point.tensors, point.meta) if point else \
-                self.store.read_committed(layout.checkpoint(learner, t))[:2]
+                self.stores.learner(learner).read_committed(layout.checkpoint(learner, t))[:2]
             self._resume_from(learner, t, tensors, meta)
         if self.rank == 0:
             self.lives.record(self.slot.index, self.life, self.start_round, self.rejoined_from)
@@ -99,7 +109,7 @@ class Learner:
         self.state.load_state_dict(tensors, meta)
         if self.rank == 0:
             self.ledger.load_state_dict(own_ledger(self.store, self.slot.index).state_dict())
-            self.transport.load_report(self.ledger.links)
+            self.transport.load_report(self.ledger.links, self.ledger.stores)
         if learner != self.slot.index:
             self.exchanger.feedback.reset()
         elif meta.get("pending") is not None:
@@ -166,10 +176,17 @@ class Learner:
         # including any wait for a message still on the link.
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
                                time.monotonic() - round_started - self._sync_seconds, self._sync_seconds)
-        if self.rank == 0:
-            tensors, meta = self.state.state_dict(self.pending)
-            self.checkpoints.write(layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
+        if self.rank == 0 and self._checkpoint_due(t):
+            self._checkpoint(t)
         return loss
+
+    def _checkpoint_due(self, t: int) -> bool:
+        return (t + 1) % self.spec.sync.checkpoint_every == 0 or t == self.spec.sync.rounds - 1 or t in self.curve_rounds
+
+    def _checkpoint(self, t: int) -> None:
+        tensors, meta = self.state.state_dict(self.pending)
+        self.checkpoints.write(layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
+        self.checkpointed = t
 
     def inner_steps(self, round_index: int) -> float:
         island = self.slot.island
@@ -217,7 +234,8 @@ class Learner:
         summary = LearnerSummary.of(
             self.ledger, self.slot.tokens_per_round(), learner=self.slot.index, island=self.slot.island.name,
             processes=self.world, rejoined_from=self.rejoined_from, lives=self.lives.of(self.slot.index),
-            links=self.transport.report(), fragment_sizes=self.exchanger.layout.sizes, store=dict(self.store.stats),
+            links=self.transport.report(), stores=dict(self.transport.by_store), store_url=self.store.url,
+            fragment_sizes=self.exchanger.layout.sizes, store=dict(self.store.stats),
             store_faults_injected=dict(getattr(self.store.fs, "counts", {})))
         if not self.store.exists(key):
             self.store.put_json(key, summary.to_json())
@@ -236,6 +254,11 @@ class Learner:
         return self.faults.closes_windows() and bool(self._from_rank0((int(cut),))[0])
 
     def _window_closed(self, next_round: int, until: str) -> None:
+        """The next window resumes from the last round this one finished: it is checkpointed, whatever
+        `checkpoint_every` says."""
+        last = next_round - 1
+        if self.rank == 0 and last >= self.start_round and last != self.checkpointed:
+            self._checkpoint(last)
         self.checkpoints.finish()
         if self.rank == 0:
             self.lives.record_pause(self.slot.index, self.life, next_round)

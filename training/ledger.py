@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from infra import layout
+from infra.stores import RunStores
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Ledger:
     bytes_read_intra: int = 0
     bytes_read_inter: int = 0
     checkpoint_bytes: int = 0
+    objects_retired: int = 0  # checkpoints and messages no one will read again (training/retention.py)
     seconds_computing: float = 0.0
     seconds_syncing: float = 0.0
     seconds_blocked: float = 0.0  # waiting for an exchange still on the link
@@ -27,6 +29,7 @@ class Ledger:
     missed_exchanges: list[dict] = field(default_factory=list)
     corrupt_reads_detected: int = 0
     links: dict = field(default_factory=dict)  # the transport's per-link counters, as of the last checkpoint
+    stores: dict = field(default_factory=dict)  # message bytes by store URL, written and read, likewise
 
     def book_round(self, round_index: int, fragment: int, loss: float, compute_s: float, sync_s: float) -> None:
         self.seconds_computing += compute_s
@@ -67,6 +70,7 @@ class LearnerSummary(Ledger):
     lives: list[dict] = field(default_factory=list)
     fragment_sizes: list[int] = field(default_factory=list)
     store: dict = field(default_factory=dict)  # the store client's request, retry and byte counters
+    store_url: str = ""  # the learner's own store: its island's, where its checkpoints and messages went
     store_faults_injected: dict = field(default_factory=dict)
 
     @classmethod
@@ -77,6 +81,7 @@ class LearnerSummary(Ledger):
         return asdict(self)
 
 
-def read_summaries(store, learners: int) -> list[LearnerSummary]:
-    """Every learner's summary from a run's store."""
-    return [LearnerSummary(**store.get_json(layout.learner_summary(i))) for i in range(learners)]
+def read_summaries(spec, run) -> list[LearnerSummary]:
+    """Every learner's summary, each from its island's store (`run`: the run's own store)."""
+    stores = RunStores(spec, run)
+    return [LearnerSummary(**stores.learner(i).get_json(layout.learner_summary(i))) for i in range(len(spec.learners))]

@@ -1,0 +1,40 @@
+"""Where a run's objects live: the run's store for the control plane, and one per island that has its own.
+
+The run's store (`store` in the spec) holds what the control plane writes and reads: the spec, the
+data manifest and held-out sets, fault markers, the consolidated and standard models, the report
+and Prefect's results. An island with a store of its own (`islands[].store`: a bucket near its
+accelerators, opened with its own credentials) holds its learners' shards, checkpoints, messages,
+lives and summaries under the same run prefix; a partner on another island reads a message from
+there, so only what partners read crosses the link. An island without one uses the run's store.
+"""
+
+from __future__ import annotations
+
+from infra.faults import StoreFaults
+from infra.spec import RunSpec
+from infra.store import ObjectStore
+
+
+class RunStores:
+    def __init__(self, spec: RunSpec, run: ObjectStore, faults: StoreFaults | None = None):
+        """`run`: the run's own prefix in the run's store; `faults` are injected on the islands' stores too."""
+        self.spec, self.run, self.faults = spec, run, faults
+        self._islands: dict[str, ObjectStore] = {}
+
+    def island(self, name: str) -> ObjectStore:
+        island = next(i for i in self.spec.islands if i.name == name)
+        if island.store is None:
+            return self.run
+        if name not in self._islands:
+            self._islands[name] = ObjectStore.from_spec(island.store, self.faults).child(self.run.prefix)
+        return self._islands[name]
+
+    def learner(self, index: int) -> ObjectStore:
+        """The store holding learner `index`'s objects: its island's."""
+        return self.island(self.spec.learners[index].island.name)
+
+
+def check_stores_reachable(spec: RunSpec) -> None:
+    """Fail before any work when the run's store or an island's own store cannot be written."""
+    for store_spec in [spec.store, *(island.store for island in spec.islands if island.store is not None)]:
+        ObjectStore.from_spec(store_spec).check_reachable()

@@ -1,0 +1,90 @@
+"""Each island with its own S3 store and credentials: two real SeaweedFS servers, learners as OS processes.
+
+The run's store (and the east island's) is the session's server; the west island's is a second
+server with other credentials, which the west learner's process gets from WEST_AWS_* variables.
+Only what a partner reads crosses between the stores.
+"""
+
+import pytest
+
+from bench.islands import Log, train_islands
+from eval.report import store_bytes
+from infra import layout
+from infra.seaweed import seaweed_server
+from infra.spec import parse_spec
+from infra.store import ObjectStore, StoreError, run_store
+from infra.stores import RunStores, check_stores_reachable
+from training.consolidate import consolidate
+from training.data import prepare_dataset
+from training.ledger import read_summaries
+
+
+@pytest.fixture(scope="module")
+def west_server(tmp_path_factory):
+    with seaweed_server(tmp_path_factory.mktemp("seaweed-west"), buckets=("west",)) as server:
+        yield server
+
+
+@pytest.fixture
+def two_sites(s3_env, west_server, monkeypatch, tmp_path):
+    monkeypatch.setenv("WEST_AWS_ACCESS_KEY_ID", west_server.access_key)
+    monkeypatch.setenv("WEST_AWS_SECRET_ACCESS_KEY", west_server.secret_key)
+    for i in range(6):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+    spec = parse_spec({
+        "name": "sites",
+        "islands": [{"name": "east", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2},
+                    {"name": "west", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 3,
+                     "store": {"url": f"s3://west/{tmp_path.name}", "endpoint_url": west_server.endpoint_url,
+                               "credentials_env": "WEST"}}],
+        "model": {"layers": 1, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+                              "eval_fraction": 0.2}]},
+        "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 1, "partner_timeout_s": 60},
+        "store": {"url": f"s3://archipelago/sites/{tmp_path.name}"},
+    })
+    run = run_store(spec.store, "r")
+    run.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    return spec, run
+
+
+def test_each_island_keeps_its_state_in_its_own_store_and_only_exchanges_cross(two_sites, tmp_path):
+    spec, run = two_sites
+    check_stores_reachable(spec)
+    manifest = prepare_dataset(spec, run)
+    west = RunStores(spec, run).island("west")
+    assert west.url.startswith("s3://west/") and manifest["shards"][1]["store"] == west.url
+    assert manifest["shards"][0]["store"] == run.url
+
+    consensus = train_islands(spec, "r", Log(tmp_path / "progress.log"))
+    assert consensus["learners_without_final_checkpoint"] == []
+
+    # The west learner's objects are in the west store only; the east learner's in the run's store only.
+    assert west.list(layout.learner_prefix(1)) and not run.list(layout.learner_prefix(1))
+    assert run.list(layout.learner_prefix(0)) and not west.list(layout.learner_prefix(0))
+    assert west.exists(layout.shard(1)) and not run.exists(layout.shard(1))
+    assert run.is_committed(layout.CONSOLIDATED) and not west.list("models")
+
+    east_summary, west_summary = read_summaries(spec, run)
+    assert east_summary.missed_exchanges == [] and west_summary.missed_exchanges == []
+    assert (east_summary.store_url, west_summary.store_url) == (run.url, west.url)
+    # What each learner read from the other's store is what the other wrote there.
+    assert east_summary.stores[west.url]["read"] == west_summary.stores[west.url]["written"] > 0
+    assert west_summary.stores[run.url]["read"] == east_summary.stores[run.url]["written"] > 0
+    assert set(east_summary.stores) == set(west_summary.stores) == {run.url, west.url}
+    per_store = store_bytes([east_summary, west_summary])
+    assert per_store[west.url]["checkpoints_written"] == west_summary.checkpoint_bytes > 0
+    assert per_store[run.url]["messages_read"] == west_summary.stores[run.url]["read"]
+
+
+def test_an_island_store_uses_its_own_credentials_and_names_what_is_missing(two_sites, monkeypatch):
+    spec, run = two_sites
+    west_spec = spec.islands[1].store
+    # The run's credentials (AWS_*) are not the west site's: without WEST_* the west store refuses them.
+    refused = ObjectStore(west_spec.url, west_spec.endpoint_url)
+    with pytest.raises(StoreError):
+        refused.check_reachable()
+    monkeypatch.delenv("WEST_AWS_SECRET_ACCESS_KEY")
+    with pytest.raises(StoreError, match="WEST_AWS_SECRET_ACCESS_KEY not set") as err:
+        check_stores_reachable(spec)
+    assert "s3cr" not in str(err.value) and spec.islands[1].store.credentials_env == "WEST"

@@ -1,0 +1,93 @@
+"""A learner's store stays bounded: checkpoints every few rounds, the newest few kept, messages retired
+once no one can read them, and restarts still find what they need (local store and S3)."""
+
+import threading
+
+import pytest
+import torch
+
+from infra import layout
+from infra.store import ObjectStore
+from training.learner import Learner
+from training.params import flat_parameters
+from training.retention import Retention
+from training.schedule import curve_rounds
+
+
+def commit_round(store: ObjectStore, learner: int, t: int, checkpoint: bool = True) -> None:
+    store.commit_tensors(layout.message(learner, t), {"delta": torch.zeros(2)}, {"round": t})
+    if checkpoint:
+        store.commit_tensors(layout.checkpoint(learner, t), {"weights": torch.zeros(2)}, {"round": t})
+
+
+def rounds_of(store: ObjectStore, learner: int) -> tuple[list[int], list[int]]:
+    keys = store.list(layout.learner_prefix(learner))
+    return sorted(layout.checkpoint_rounds(keys)), sorted(t for t, _ in layout.committed_messages(keys))
+
+
+def test_retention_keeps_the_newest_checkpoints_and_messages_a_reader_may_still_need(store):
+    for t in range(6):
+        commit_round(store, 0, t)
+    for t in range(3):  # the other learner is behind: its newest checkpoint is round 2
+        commit_round(store, 1, t)
+    removed = Retention(lambda learner: store, 0, 2, keep=2, pinned={1}).after_checkpoint()
+    checkpoints, messages = rounds_of(store, 0)
+    assert checkpoints == [1, 4, 5]  # the newest two, and the curve's round 1
+    assert messages == [2, 3, 4, 5]  # learner 1 resumes from round 2 at the earliest and reads from there on
+    assert removed == 3 * 2 + 2 * 2  # each retired object is its commit and its tensors
+    assert not [k for k in store.list(layout.learner_prefix(0)) if "round-00000" in k or "round-00002/check" in k]
+    # Retiring nothing more is a no-op, and a retired checkpoint is gone as a whole, commit first.
+    assert Retention(lambda learner: store, 0, 2, keep=2, pinned={1}).after_checkpoint() == 0
+    assert not store.is_committed(layout.checkpoint(0, 3))
+
+
+def test_keeping_everything_retires_nothing(store):
+    for t in range(4):
+        commit_round(store, 0, t)
+    assert Retention(lambda learner: store, 0, 1, keep=None, pinned=set()).after_checkpoint() == 0
+    assert rounds_of(store, 0) == ([0, 1, 2, 3], [0, 1, 2, 3])
+
+
+def run_both(learners):
+    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_run_leaves_a_bounded_footprint_and_a_restart_resumes_from_its_newest_checkpoint(two_learner_run, every):
+    rounds = 10
+    spec, store = two_learner_run("retention", layers=1, inner_steps=2, rounds=rounds, checkpoint_every=every,
+                                  keep_checkpoints=2)
+    learners = [Learner(spec, store, i) for i in range(2)]
+    for learner in learners:
+        learner.resume()  # records its first life, so that the restart below is a second one
+    run_both(learners)
+    assert all(learner.ledger.missed_exchanges == [] for learner in learners)
+    due = [t for t in range(rounds) if (t + 1) % every == 0 or t == rounds - 1 or t in curve_rounds(rounds)]
+    pinned = set(curve_rounds(rounds))
+    for i in range(2):
+        checkpoints, messages = rounds_of(store, i)
+        assert checkpoints == sorted(set(due[-2:]) | pinned)
+        assert messages == list(range(due[-2], rounds))  # both learners' newest checkpoints are the last two due
+    restarted = Learner(spec, store, 0)
+    restarted.resume()
+    assert restarted.start_round == rounds and torch.equal(flat_parameters(restarted.model),
+                                                           flat_parameters(learners[0].model))
+    assert learners[0].ledger.objects_retired > 0
+
+
+def test_a_window_end_checkpoints_the_last_round_it_finished_whatever_the_cadence(two_learner_run):
+    spec, store = two_learner_run("cadence", layers=1, inner_steps=2, rounds=12, checkpoint_every=5,
+                                  partner_timeout_s=0.2)
+    learner = Learner(spec, store, 0)
+    learner.resume()
+    for t in range(3):
+        learner.run_round(t)
+    learner._window_closed(3, "now")
+    assert rounds_of(store, 0)[0] == [2]  # round 2 is not due every 5 rounds, nor a curve round of 12
+    again = Learner(spec, store, 0)
+    again.resume()
+    assert again.start_round == 3

@@ -1,0 +1,47 @@
+"""What a learner keeps in its store: its newest checkpoints, and the messages a peer may still read.
+
+Every round adds a message, and every `sync.checkpoint_every` rounds a checkpoint; kept for good
+they grow with the run, not with the model. After each checkpoint it commits, a learner retires
+
+  * its checkpoints older than the newest `sync.keep_checkpoints` committed ones, except those of
+    the rounds the bpb curve scores (the report reads them once training is over);
+  * its messages of rounds before every other learner's newest checkpoint, and before its own
+    oldest kept one. A restarted learner resumes from its newest checkpoint (or, if that one does
+    not verify, an older kept one) and reads only messages of that round and later; and a learner
+    that replays rounds from its own checkpoint sends their messages again, which write-once allows
+    only while the first copy is still there.
+
+Only the learner that wrote an object retires it, so a learner needs write access to its own
+objects alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from infra import layout
+from infra.store import ObjectStore
+
+
+class Retention:
+    def __init__(self, store_of: Callable[[int], ObjectStore], learner: int, learners: int, keep: int | None,
+                 pinned: set[int]):
+        """`store_of(i)`: the store holding learner i's objects (see infra/stores.py)."""
+        self.store_of, self.learner, self.learners, self.keep, self.pinned = store_of, learner, learners, keep, pinned
+
+    def after_checkpoint(self) -> int:
+        """Retire what no one will read again; returns the objects removed."""
+        if self.keep is None:
+            return 0
+        store = self.store_of(self.learner)
+        mine = store.list(layout.learner_prefix(self.learner))
+        rounds = sorted(layout.checkpoint_rounds(mine))
+        kept = rounds[-self.keep:]
+        removed = sum(store.retire(layout.checkpoint(self.learner, t), mine)
+                      for t in rounds if t not in kept and t not in self.pinned)
+        newest_of_others = [max(layout.checkpoint_rounds(self.store_of(peer).list(layout.learner_prefix(peer))),
+                                default=-1)
+                            for peer in range(self.learners) if peer != self.learner]
+        floor = min([min(kept, default=-1), *newest_of_others])
+        return removed + sum(store.retire(key, mine)
+                             for t, key in layout.committed_messages(mine) if t < floor)
