@@ -36,7 +36,7 @@ def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> di
         for attempt in range(restarts + 1):
             try:
                 return run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
-                                   spec.store.url, None, run_id, relay)
+                                   spec.store.url, spec.store.endpoint_url, run_id, relay, spec.store.credentials_env)
             except LearnerFailed as err:
                 if attempt == restarts:
                     raise

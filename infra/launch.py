@@ -61,7 +61,8 @@ class LearnerProcess:
     # It must exec the command, not fork it: the learner checks that its parent is the launcher.
     wrapper: tuple[str, ...] = ()
 
-    def command(self, store_url: str, endpoint_url: str | None, run_id: str) -> list[str]:
+    def command(self, store_url: str, endpoint_url: str | None, run_id: str,
+                credentials_env: str | None = None) -> list[str]:
         launcher = [*GUARDED, LEARNER_MODULE]
         if self.processes > 1:
             launcher = [*GUARDED, TORCHRUN, f"--rdzv-backend={LOOPBACK_RENDEZVOUS}",
@@ -71,6 +72,8 @@ class LearnerProcess:
                 "--threads", str(self.threads)]
         if endpoint_url:
             args += ["--endpoint-url", endpoint_url]
+        if credentials_env:  # the name of the variables, never what they hold
+            args += ["--credentials-env", credentials_env]
         if self.until:
             args += ["--until", self.until.isoformat()]
         return [*self.wrapper, *launcher, *args]
@@ -87,7 +90,7 @@ class LearnerFailed(RuntimeError):
 
 
 def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | None, run_id: str,
-                on_line: Callable[[str], None]) -> None:
+                on_line: Callable[[str], None], credentials_env: str | None = None) -> None:
     """Run one learner until it exits, relaying its output lines; raise with its last lines if it failed.
     A learner that stopped at its capacity window's end exits cleanly too; the caller tells a pause
     from the end by the learner's summary, which only a learner that trained every round writes.
@@ -95,7 +98,7 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
            PARENT_PID: str(os.getpid()), **LOOPBACK_ONLY}
     tail: deque[str] = deque(maxlen=30)
-    with subprocess.Popen(learner.command(store_url, endpoint_url, run_id), stdout=subprocess.PIPE,
+    with subprocess.Popen(learner.command(store_url, endpoint_url, run_id, credentials_env), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as proc:
         try:
             for line in proc.stdout:

@@ -58,7 +58,8 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
     progress = create_progress_artifact(0.0, key=f"progress-learner-{learner}",
                                         description=f"Rounds completed by learner {learner} on {island} ({run_id})")
     run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until),
-                spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress))
+                spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress),
+                spec.store.credentials_env)
     return {"learner": learner, "island": island,
             "finished": RunStores(spec, run_store(spec.store, run_id)).learner(learner).exists(
                 layout.learner_summary(learner))}

@@ -14,7 +14,6 @@ from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore, StoreError, run_store
 from infra.stores import RunStores, check_stores_reachable
-from training.consolidate import consolidate
 from training.data import prepare_dataset
 from training.ledger import read_summaries
 

@@ -1,7 +1,8 @@
 """A learner's OS process: `python -m training.process --store URL --run-id RUN --learner I`,
 started by `infra.launch` (under `torchrun` when the learner is data-parallel over several
-processes). It reads the run's spec from the store, opens the store with the spec's retry policy
-and any injected store faults, joins the process group, and runs the learner.
+processes). It reads the run's spec from the run's store, opens that store and its island's own
+(if it has one) with the spec's retry policy and any injected store faults, joins the process
+group, and runs the learner.
 
 The exit status tells the launcher how the segment ended: 0 when the learner finished its
 rounds, `WINDOW_CLOSED` when it stopped at its capacity window's end.
@@ -22,12 +23,15 @@ from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
 from infra.spec import RunSpec
 from infra.store import ObjectStore
+from infra.stores import RunStores
 from training.faults import store_faults
 from training.learner import Learner
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one Archipelago learner.")
     parser.add_argument("--store", required=True, help="store root URL (credentials from the environment)")
     parser.add_argument("--endpoint-url", default=None)
+    parser.add_argument("--credentials-env", default=None,
+                        help="prefix of the run store's credential variables (store.credentials_env)")
     parser.add_argument("--run-id", required=True, help="run id")
     parser.add_argument("--learner", type=int, required=True, help="global learner index")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
@@ -38,14 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     spec = RunSpec.model_validate(
-        ObjectStore(args.store, args.endpoint_url).child(f"runs/{args.run_id}").get_json(layout.SPEC))
+        ObjectStore(args.store, args.endpoint_url, credentials_env=args.credentials_env)
+        .child(f"runs/{args.run_id}").get_json(layout.SPEC))
+    faults = store_faults(spec, args.learner)
     store = ObjectStore(args.store, args.endpoint_url,
                         RetryPolicy(attempts=spec.store.retry_attempts, budget_s=spec.store.retry_budget_s),
-                        store_faults(spec, args.learner)).child(f"runs/{args.run_id}")
+                        faults, spec.store.credentials_env).child(f"runs/{args.run_id}")
     if world > 1:
         dist.init_process_group("nccl" if spec.learners[args.learner].island.device == "cuda" else "gloo")
     try:
-        learner = Learner(spec, store, args.learner, rank, world)
+        learner = Learner(spec, RunStores(spec, store, faults), args.learner, rank, world)
         learner.resume()
         finished = learner.run(args.until)
     finally:
