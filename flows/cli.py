@@ -12,8 +12,9 @@ from pathlib import Path
 
 from infra import layout
 from infra.lease import LeaseHeld
-from infra.spec import RunSpec, SpecError, StoreSpec, check_windows_ahead, load_spec, parse_spec
+from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, parse_spec
 from infra.store import StoreError, run_store
+from infra.store_spec import StoreSpec
 from infra.stores import check_stores_reachable
 
 # Ephemeral Prefect: no telemetry off the machine, and room for a slow first start (database migrations).

@@ -9,7 +9,7 @@ import pytest
 import s3fs
 
 from infra.retry import RetryPolicy, StoreUnavailable
-from infra.spec import StoreSpec
+from infra.store_spec import StoreSpec
 from infra.store import ObjectExists, ObjectStore, StoreError, parse_store_url, run_store, validate_key
 
 

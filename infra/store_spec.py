@@ -1,0 +1,58 @@
+"""Where a run's (or an island's) objects live and how to reach them: the `store` sections of a run spec."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator
+
+from infra.spec_model import MAX_WAIT_S, SpecModel
+from infra.store import StoreError, parse_store_url
+
+
+class StoreSpec(SpecModel):
+    url: str = Field(".archipelago/store",
+                     description="Object store root: a local folder, or s3://bucket/prefix. "
+                                 "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for S3-compatible servers (http(s)://host[:port], no credentials); "
+                          "defaults to $AWS_ENDPOINT_URL.")
+    credentials_env: str | None = Field(
+        None, pattern=r"^[A-Z][A-Z0-9_]{0,47}$",
+        description="Prefix of the environment variables with this store's S3 credentials: "
+                    "<PREFIX>_AWS_ACCESS_KEY_ID, <PREFIX>_AWS_SECRET_ACCESS_KEY, optionally <PREFIX>_AWS_SESSION_TOKEN "
+                    "and <PREFIX>_AWS_ENDPOINT_URL. Empty: the standard AWS credential chain.")
+    retry_attempts: int = Field(8, ge=1, le=100, description="Attempts per store request before its stage fails.")
+    retry_budget_s: float = Field(120, gt=0, le=MAX_WAIT_S, description="Seconds one store request may spend retrying.")
+
+    @field_validator("url")
+    @classmethod
+    def _a_store_url(cls, url: str) -> str:
+        # Checked, not rewritten: a relative folder stays relative to where the run is started.
+        try:
+            parse_store_url(url)
+        except StoreError as err:
+            raise ValueError(str(err)) from None
+        return url
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_without_credentials(cls, url: str | None) -> str | None:
+        # The spec is stored with the run and shown in the UI: credentials only ever come from the
+        # environment. The messages do not repeat the URL, which may hold them.
+        if url is None:
+            return url
+        try:
+            parts = urlsplit(url)
+            parts.port  # a malformed port raises only when read
+        except ValueError:
+            raise ValueError("not a valid URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be http(s)://host[:port]")
+        if "@" in parts.netloc:
+            raise ValueError("must not carry credentials (user:password@host); S3 credentials come from "
+                             "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        if parts.query or parts.fragment:
+            raise ValueError("must not have a query string or fragment (where signed credentials would go); "
+                             "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+        return url
