@@ -4,7 +4,8 @@ Run as root, from the repository root:
 
     .venv/bin/python -m bench.shaped_link \\
         [--standard configs/shaped-allreduce.yaml] [--allreduce configs/shaped-allreduce.yaml] \\
-        [--butterfly configs/shaped-butterfly-streaming.yaml] [--rounds N] [--rate-mbit R] [--dp-max-steps N]
+        [--butterfly configs/shaped-butterfly-streaming.yaml] [--rounds N] [--rate-mbit R] [--dp-max-steps N] \\
+        [--repeats 3] [--one-store]
 
 Arms, all on one link and one data preparation recipe, in this order:
   standard   per-step all-reduce data parallelism: one gloo process per island, each training on its
@@ -20,14 +21,14 @@ The network. Each island is a network namespace (`arch-<tag>-<island>`); one vet
 moves between the islands crosses that pair, so its interface counters (read inside the namespace)
 are the inter-island bytes, headers included. A bench process never touches the host's interfaces.
 
-The store. One SeaweedFS S3 endpoint, in the first island's namespace, bound to that island's veth
-address: its learners reach it locally, the other island's learners over the shaped link. One
-endpoint, because a run is one store prefix that every learner reads and writes through one URL (the
-learner has no notion of a per-island store); a real deployment with one bucket at one site behaves
-the same way. The cost is visible in the results: besides the messages a learner reads from the
-other island, the remote island's own writes (its messages, and its per-round checkpoints) and its
-reads of same-island partners cross the link too. The results split the measured bytes against the
-learners' own counters so that share is plain.
+The stores. The run's SeaweedFS S3 endpoint runs in the first island's namespace, bound to that
+island's veth address; by default every other island gets a SeaweedFS of its own in its namespace,
+with its own credentials (`islands[].store`, see infra/stores.py), so its learners' shards,
+checkpoints and messages stay on its side and only what a learner reads from the other island's
+store crosses the link. `--one-store` puts every island on the first island's store instead, as a
+single bucket at one site would: then the remote island's checkpoint writes, message writes and
+shard reads cross the link too, and the results split them out. Each arm runs `--repeats` times
+(default 3), arm by arm within each repeat, and the results keep every run's figures.
 
 The rate. Scaling the brief literally (32 B parameters over 25 Gbit/s, i.e. 0.78 bit/s per
 parameter) gives this 0.44 M-parameter model 0.35 Mbit/s: one fp32 copy of the model then takes 41 s
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, default=None, help="link rate; default matched to the brief")
     parser.add_argument("--dp-max-steps", type=int, default=None,
                         help="run only this many standard-arm steps and extrapolate its wall time and bytes")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved arm by arm")
+    parser.add_argument("--one-store", action="store_true",
+                        help="every island on the first island's store (default: each island its own SeaweedFS)")
     parser.add_argument("--out", default=str(RESULTS / "shaped_link.json"))
     parser.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -194,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     plan.validate(existing_namespaces())
     workdir = Path(tempfile.mkdtemp(prefix="arch-shaped-"))
     job = {"plan": asdict(plan), "arms": arms, "configs": configs, "rounds": args.rounds,
+           "repeats": args.repeats, "island_stores": not args.one_store,
            "dp_max_steps": args.dp_max_steps, "rate": rate_info, "workdir": str(workdir),
            "out": str(Path(args.out).resolve())}
     (workdir / "job.json").write_text(json.dumps(job))
@@ -234,20 +239,35 @@ def drive(job: dict) -> int:
     plan = LinkPlan(tag=job["plan"]["tag"], ends=tuple(IslandEnd(**e) for e in job["plan"]["ends"]),
                     rate_bps=job["plan"]["rate_bps"])
     started = time.monotonic()
-    with seaweed_server(Path(job["workdir"]) / "seaweed", host=plan.server.address) as server:
+    with contextlib.ExitStack() as servers:
+        server = servers.enter_context(seaweed_server(Path(job["workdir"]) / "seaweed", host=plan.server.address))
         os.environ.update(server.env())
         log(f"S3 endpoint {server.endpoint_url} in {plan.server.namespace}")
-        results = {}
-        for arm in job["arms"]:
-            spec = arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url)
-            log(f"arm {arm}: {job['configs'][arm]}, {spec.sync.rounds} rounds")
-            if arm == "standard":
-                results[arm] = run_standard(spec, plan, job["dp_max_steps"])
-            else:
-                results[arm] = run_islands(spec, plan, arm)
-            results[arm]["config"] = job["configs"][arm]
-            log(f"arm {arm} done: {json.dumps(headline(results[arm]))}")
-    document = {"link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island},
+        island_stores = {}
+        if job["island_stores"]:
+            for end in plan.ends[1:]:  # the first island keeps its objects in the run's store, beside it
+                own = servers.enter_context(seaweed_server(
+                    Path(job["workdir"]) / f"seaweed-{end.island}", buckets=(end.island,), host=end.address,
+                    wrapper=plan.exec_in(end.island)))
+                prefix = credentials_env(end.island)
+                os.environ.update({f"{prefix}_AWS_ACCESS_KEY_ID": own.access_key,
+                                   f"{prefix}_AWS_SECRET_ACCESS_KEY": own.secret_key})
+                island_stores[end.island] = {"url": f"s3://{end.island}/shaped", "endpoint_url": own.endpoint_url,
+                                             "credentials_env": prefix}
+                log(f"S3 endpoint {own.endpoint_url} in {end.namespace}: island {end.island}'s own store")
+        runs: dict[str, list[dict]] = {arm: [] for arm in job["arms"]}
+        for repeat in range(job["repeats"]):  # arm by arm within a repeat, so arms compare side by side
+            for arm in job["arms"]:
+                spec = arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url,
+                                island_stores if arm != "standard" else {})
+                log(f"arm {arm}, run {repeat + 1}/{job['repeats']}: {job['configs'][arm]}, {spec.sync.rounds} rounds")
+                result = run_standard(spec, plan, job["dp_max_steps"]) if arm == "standard" else \
+                    run_islands(spec, plan, arm)
+                runs[arm].append(result)
+                log(f"arm {arm} run {repeat + 1} done: {json.dumps(headline(result))}")
+    results = {arm: arm_result(job["configs"][arm], arm_runs) for arm, arm_runs in runs.items()}
+    document = {"link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
+                         "island_stores": sorted(island_stores)},
                 "arms": results, "targets": targets(results), "bench_seconds": time.monotonic() - started}
     out = Path(job["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -257,10 +277,26 @@ def drive(job: dict) -> int:
     return 0
 
 
-def arm_spec(path: str, rounds: int | None, endpoint_url: str):
+def credentials_env(island: str) -> str:
+    return f"ISLAND_{island.upper().replace('-', '_')}"
+
+
+def arm_result(config: str, runs: list[dict]) -> dict:
+    """An arm's runs, and per run the figures its targets are judged on (lists, in run order)."""
+    return {"config": config, "runs": runs,
+            "wall_s": [r["wall_seconds"] for r in runs],
+            "link_bytes": [r["inter_island_bytes_measured"]["total"] for r in runs],
+            "exchange_bytes_counted": [r["inter_island_bytes_counted"] for r in runs],
+            "utilisation": [r["utilisation"] for r in runs]}
+
+
+def arm_spec(path: str, rounds: int | None, endpoint_url: str, island_stores: dict[str, dict]):
     from infra.spec import load_spec, parse_spec
     raw = load_spec(path).model_dump(mode="json")
     raw["store"] = {**raw["store"], "url": "s3://archipelago/shaped", "endpoint_url": endpoint_url}
+    for island in raw["islands"]:
+        if island["name"] in island_stores:
+            island["store"] = {**raw["store"], **island_stores[island["name"]]}
     if rounds:
         raw["sync"]["rounds"] = rounds
     return parse_spec(raw)
@@ -285,7 +321,7 @@ def relay(prefix: str):
 
 def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     from eval.evaluate import heldout_bpb
-    from eval.report import allreduce_equivalent
+    from eval.report import allreduce_equivalent, store_bytes
     from infra import layout
     from infra.launch import LearnerProcess, run_learner
     from infra.launch import threads_per_process
@@ -328,24 +364,26 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     computing = sum(s.seconds_computing for s in summaries)
     syncing = sum(s.seconds_syncing for s in summaries)
     parameters = build_model(spec).parameter_counts()["total"]
-    # What the single store placement sends over the link besides the exchanges: the remote island's
-    # writes (messages, checkpoints) and its reads of every partner, plus its shards at start-up.
+    # With one store for both islands, the link also carries the remote island's writes (messages,
+    # checkpoints) and its reads of every partner, plus its shards at start-up. With a store per
+    # island only what a learner reads from the other island's store crosses.
+    one_store = all(island.store is None for island in spec.islands)
     payload = {"messages_written": sum(s.bytes_written for s in remote),
                "checkpoints_written": sum(s.checkpoint_bytes for s in remote),
                "messages_read": sum(s.bytes_read_intra + s.bytes_read_inter for s in remote),
-               "shards_read": sum(shard_bytes[s.learner] for s in remote)}
+               "shards_read": sum(shard_bytes[s.learner] for s in remote)} if one_store else None
     return {
         "run_id": run_id, "sync_mode": spec.sync.mode, "rounds": spec.sync.rounds, "learners": len(summaries),
         "tokens": sum(s.tokens for s in summaries),
         "wall_seconds": wall, "learner_wall_seconds": walls,
         "inter_island_bytes_measured": measured,
         "inter_island_bytes_counted": sum(s.bytes_read_inter for s in summaries),
-        # What the single store placement sends over the link besides: the remote island's writes
-        # (messages, checkpoints) and its reads of every partner, plus its shards at start-up.
         "remote_island_store_payload": payload,
-        # The link less what an island-local checkpoint store and local shards would keep off it:
-        # the exchanges as this store placement carries them (with HTTP, polling and TCP overhead).
-        "inter_island_bytes_exchanges": measured["total"] - payload["checkpoints_written"] - payload["shards_read"],
+        "per_store": store_bytes(summaries),
+        # The link less what island-local checkpoints and shards keep off it: the exchanges as the
+        # store placement carries them (with HTTP, polling and TCP overhead).
+        "inter_island_bytes_exchanges": measured["total"] - (
+            payload["checkpoints_written"] + payload["shards_read"] if payload else 0),
         "project_allreduce_estimate_bytes": allreduce_equivalent(
             spec, parameters, BaselinePlan.of(spec).steps)["inter_island_bytes"],
         "seconds_computing": computing, "seconds_syncing": syncing,
@@ -435,19 +473,26 @@ def run_standard(spec, plan: LinkPlan, max_steps: int | None) -> dict:
 
 
 def targets(results: dict) -> dict:
+    """The targets, judged on each arm's median over its runs."""
+    def median(arm: str, figure) -> float:
+        return statistics.median(figure(r) for r in results[arm]["runs"])
+
     out = {}
     if "standard" in results and "butterfly" in results:
-        dp, bf = results["standard"], results["butterfly"]
-        out["butterfly_bytes_reduction_measured"] = (dp["inter_island_bytes_measured"]["total"]
-                                                     / bf["inter_island_bytes_measured"]["total"])
-        out["butterfly_bytes_reduction_exchanges"] = (dp["inter_island_bytes_exchanges"]
-                                                      / bf["inter_island_bytes_exchanges"])
-        out["butterfly_bytes_reduction_counted"] = (dp["inter_island_bytes_counted"] / bf["inter_island_bytes_counted"]
-                                                    if bf["inter_island_bytes_counted"] else None)
+        out["butterfly_bytes_reduction_measured"] = (median("standard", lambda r: r["inter_island_bytes_measured"]["total"])
+                                                     / median("butterfly", lambda r: r["inter_island_bytes_measured"]["total"]))
+        out["butterfly_bytes_reduction_exchanges"] = (median("standard", lambda r: r["inter_island_bytes_exchanges"])
+                                                      / median("butterfly", lambda r: r["inter_island_bytes_exchanges"]))
+        counted = median("butterfly", lambda r: r["inter_island_bytes_counted"])
+        out["butterfly_bytes_reduction_counted"] = (median("standard", lambda r: r["inter_island_bytes_counted"]) / counted
+                                                    if counted else None)
         out["reduction_target"] = 500
     if "butterfly" in results:
-        out["butterfly_utilisation"] = results["butterfly"]["utilisation"]
+        out["butterfly_utilisation"] = statistics.median(results["butterfly"]["utilisation"])
         out["utilisation_target"] = TARGET_UTILISATION
+        out["butterfly_link_over_exchanges"] = statistics.median(
+            link / counted for link, counted in zip(results["butterfly"]["link_bytes"],
+                                                    results["butterfly"]["exchange_bytes_counted"]))
     return out
 
 

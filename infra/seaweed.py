@@ -181,6 +181,7 @@ def seaweed_server(
     buckets: Sequence[str] = ("archipelago",),
     startup_timeout: float = 30.0,
     host: str = _HOST,
+    wrapper: Sequence[str] = (),
 ) -> Iterator[S3Server]:
     """Start ``weed mini`` storing data in *data_dir*, create *buckets*, yield it.
 
@@ -188,10 +189,13 @@ def seaweed_server(
     once as long as each has its own *data_dir*. *host* is the one address it
     binds: loopback by default, or an address inside a network namespace (the
     shaped-link bench serves one island's address to the other island).
+    *wrapper* is prepended to its command line and must exec it, e.g.
+    ``ip netns exec NS`` to start it in another namespace than the caller's.
     """
     data_dir = pathlib.Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS), host)))
+    # In another namespace its address is not ours to probe; its ports there are all free.
+    ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS), _HOST if wrapper else host)))
     server = S3Server(
         endpoint_url=f"http://{host}:{ports['s3']}",
         access_key=secrets.token_hex(10),
@@ -206,7 +210,7 @@ def seaweed_server(
     log_path = data_dir / "weed.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            _weed_args(_weed_binary(), data_dir, ports, host),
+            [*wrapper, *_weed_args(_weed_binary(), data_dir, ports, host)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
