@@ -255,6 +255,8 @@ def drive(job: dict) -> int:
                 island_stores[end.island] = {"url": f"s3://{end.island}/shaped", "endpoint_url": own.endpoint_url,
                                              "credentials_env": prefix}
                 log(f"S3 endpoint {own.endpoint_url} in {end.namespace}: island {end.island}'s own store")
+        predicted = {arm: predict(arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url, island_stores),
+                                  plan.rate_bps) for arm in job["arms"] if arm != "standard"}
         runs: dict[str, list[dict]] = {arm: [] for arm in job["arms"]}
         for repeat in range(job["repeats"]):  # arm by arm within a repeat, so arms compare side by side
             for arm in job["arms"]:
@@ -265,7 +267,8 @@ def drive(job: dict) -> int:
                     run_islands(spec, plan, arm)
                 runs[arm].append(result)
                 log(f"arm {arm} run {repeat + 1} done: {json.dumps(headline(result))}")
-    results = {arm: arm_result(job["configs"][arm], arm_runs) for arm, arm_runs in runs.items()}
+    results = {arm: {**arm_result(job["configs"][arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
+                                                                     else {})} for arm, arm_runs in runs.items()}
     document = {"link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
                          "island_stores": sorted(island_stores)},
                 "arms": results, "targets": targets(results), "bench_seconds": time.monotonic() - started}
@@ -275,6 +278,24 @@ def drive(job: dict) -> int:
     out.with_suffix(".md").write_text(markdown(document))
     print(markdown(document), flush=True)
     return 0
+
+
+def predict(spec, rate_bps: float) -> dict:
+    """The planner's figures for an islands arm, from step times and a start-up measured here
+    before any run (the planner models neither checkpoints nor store latency: the bench shows
+    what they cost)."""
+    from training.planner import measure_step_seconds, plan_run
+
+    began = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import training.process"], check=True)
+    startup_s = time.monotonic() - began
+    step_seconds = {island.name: measure_step_seconds(spec, island.name) for island in spec.islands}
+    planned = plan_run(spec, step_seconds, rate_bps, startup_s)
+    log(f"plan for {spec.name}: {json.dumps({k: planned[k] for k in ('utilisation', 'wall_s')})}, "
+        f"step seconds {step_seconds}, start-up {startup_s:.1f} s")
+    return {"utilisation": planned["utilisation"], "wall_s": planned["wall_s"],
+            "exchange_bytes": planned["exchange_bytes"]["inter"], "step_seconds": step_seconds,
+            "startup_s": startup_s, "plan": planned}
 
 
 def credentials_env(island: str) -> str:

@@ -45,6 +45,17 @@ def markdown(document: dict) -> str:
              "runs, which alternate arm by arm.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
+    planned = {name: arm["predicted"] for name, arm in arms.items() if "predicted" in arm}
+    if planned:
+        lines += ["", "Planned (`archipelago plan`'s model, from step times and start-up measured before the runs) "
+                      "against measured (median):", "",
+                  "| arm | utilisation planned / measured | wall s planned / measured | inter-island exchange bytes "
+                  "planned / counted |", "|---|---|---|---|"]
+        for name, p in planned.items():
+            arm = arms[name]
+            lines.append(f"| {name} | {p['utilisation']:.1%} / {statistics.median(arm['utilisation']):.1%} | "
+                         f"{p['wall_s']:.1f} / {statistics.median(arm['wall_s']):.1f} | "
+                         f"{p['exchange_bytes']:,} / {statistics.median(arm['exchange_bytes_counted']):,.0f} |")
     for name, arm in arms.items():
         payload = arm["runs"][0].get("remote_island_store_payload")
         if payload:

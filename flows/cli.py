@@ -150,6 +150,52 @@ def prepare(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan(args: argparse.Namespace) -> int:
+    """What a run will deliver on a link, before paying for it: per island and for the run."""
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
+        return 2
+    from training.planner import measure_step_seconds, plan_run
+
+    given = {}
+    for item in args.step_seconds:
+        island, _, seconds = item.partition("=")
+        try:
+            given[island] = float(seconds)
+        except ValueError:
+            print(f"error: --step-seconds {item!r}: expected ISLAND=SECONDS", file=sys.stderr)
+            return 2
+    unknown = set(given) - {i.name for i in spec.islands}
+    if unknown:
+        print(f"error: --step-seconds names island(s) {', '.join(sorted(unknown))} that the spec does not have",
+              file=sys.stderr)
+        return 2
+    for island in spec.islands:
+        if island.name not in given:
+            given[island.name] = measure_step_seconds(spec, island.name)
+            print(f"island {island.name}: {given[island.name]:.4f} s per inner step, measured here")
+    result = plan_run(spec, given, args.link_gbps * 1e9, args.startup_s)
+    print(plan_table(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def plan_table(result: dict) -> str:
+    lines = [f"{result['learners']} learners, {result['parameters']:,} parameters, {result['rounds']} rounds, "
+             f"link {result['link_bps'] / 1e9:g} Gbit/s",
+             f"{'island':<12}{'s/step':>9}{'compute s':>11}{'blocked s':>11}{'inter MB/round':>16}{'utilisation':>13}"]
+    for name, island in result["islands"].items():
+        lines.append(f"{name:<12}{island['step_seconds']:>9.4f}{island['compute_s']:>11.1f}{island['blocked_s']:>11.1f}"
+                     f"{island['bytes_read_per_round']['inter'] / 1e6:>16.3f}{island['utilisation']:>13.1%}")
+    lines.append(f"run: utilisation {result['utilisation']:.1%}, wall {result['wall_s']:.1f} s, inter-island "
+                 f"{result['exchange_bytes']['inter'] / 1e6:,.1f} MB, intra-island {result['exchange_bytes']['intra'] / 1e6:,.1f} MB")
+    for goal, bps in result["bandwidth_for_utilisation"].items():
+        need = f"{bps / 1e9:.3g} Gbit/s" if bps else "not reachable: the islands wait on each other's compute"
+        lines.append(f"link for {float(goal):.0%} utilisation: {need}")
+    return "\n".join(lines)
+
+
 def serve(args: argparse.Namespace) -> int:
     """A local Prefect server, a process work pool and worker per island, and the deployments."""
     spec = load_spec_or_say_why(args.config)
@@ -180,6 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     prepare_parser.add_argument("--seed", type=int, default=None, help="the run's seed, instead of the spec's")
     prepare_parser.add_argument("--store", default=None, help="store root, instead of the spec's store.url")
     prepare_parser.set_defaults(handler=prepare)
+    plan_parser = commands.add_parser(
+        "plan", help="predict a run's utilisation, bytes and wall time on a link, without training")
+    plan_parser.add_argument("config", help="run spec YAML")
+    plan_parser.add_argument("--link-gbps", type=float, default=25.0, help="inter-island link, Gbit/s each way")
+    plan_parser.add_argument("--step-seconds", action="append", default=[], metavar="ISLAND=S",
+                             help="seconds per inner step of an island's learners (measured here when not given)")
+    plan_parser.add_argument("--startup-s", type=float, default=0.0, help="seconds before the first inner step")
+    plan_parser.add_argument("--json", help="write the plan as JSON here")
+    plan_parser.set_defaults(handler=plan)
     serve_parser = commands.add_parser(
         "serve", help="start a Prefect server, one worker per island's work pool, and the deployments")
     serve_parser.add_argument("config", nargs="?", default="configs/demo.yaml",

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import s3fs
 
@@ -44,6 +44,7 @@ class S3Server:
     access_key: str
     # Kept out of repr so assertion messages and logs never show it.
     secret_key: str = field(repr=False)
+    pid: int = 0  # the server's process (and process group), e.g. for a test that makes it go away
 
     def env(self) -> dict[str, str]:
         """Variables that point boto-based tools and subprocesses at this server."""
@@ -233,6 +234,6 @@ def seaweed_server(
         _wait_until_ready(proc, fs, log_path, startup_timeout)
         for bucket in buckets:
             fs.makedirs(bucket, exist_ok=True)
-        yield server
+        yield replace(server, pid=proc.pid)
     finally:
         _stop(proc, all_ports)

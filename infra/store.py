@@ -14,6 +14,7 @@ Nothing read from the store is unpickled: tensors are safetensors, metadata is J
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -32,7 +33,7 @@ from safetensors.torch import save as save_safetensors
 from infra.faults import FaultInjectingFileSystem, StoreFaults
 from infra.s3 import SINGLE_PUT_MAX_BYTES, is_create_conflict, s3_filesystem
 from infra.store_errors import IntegrityError, ObjectExists, ObjectMissing, StoreError
-from infra.retry import RetryPolicy, call_with_retry
+from infra.retry import RetryPolicy, StoreUnavailable, call_with_retry
 
 # A segment cannot start with '.', which keeps out '.', '..' and hidden temporary files.
 _SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]*")
@@ -102,6 +103,10 @@ class ObjectRef:
     @classmethod
     def from_json(cls, raw: dict) -> "ObjectRef":
         return cls(key=raw["key"], sha256=raw["sha256"], nbytes=int(raw["nbytes"]))
+
+
+# A poll gets at least this long to answer, so that a wait with no time left still looks once.
+_MIN_POLL_BUDGET_S = 1.0
 
 
 class ObjectStore:
@@ -275,22 +280,32 @@ class ObjectStore:
         """Whether `key` exists within `timeout_s`; stop early once `give_up()` says it never will."""
         deadline = time.monotonic() + timeout_s
         while True:
-            if self.exists(key):
+            if self._exists_by(key, deadline):
                 return True
             if give_up():
-                return self.exists(key)  # it may have landed just before the reason to give up
+                return self._exists_by(key, deadline)  # it may have landed just before the reason to give up
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 1.0)
 
+    def _exists_by(self, key: str, deadline: float) -> bool:
+        """One poll of a wait: its retries end with the wait, so a store that has gone away costs the
+        waiter its deadline (and the socket timeout of a request under way), not the retry budget."""
+        budget = min(self.retry.budget_s, max(deadline - time.monotonic(), _MIN_POLL_BUDGET_S))
+        try:
+            return self._call(f"exists {key} in", self.fs.exists, self._path(key),
+                              policy=dataclasses.replace(self.retry, budget_s=budget))
+        except StoreUnavailable:
+            if time.monotonic() < deadline:
+                raise
+            return False
+
     # -- typed objects ------------------------------------------------------------------------
 
     def put_json(self, key: str, body: dict) -> ObjectRef:
         """JSON with its own checksum, so a reader needs nothing else to verify it."""
-        canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-        envelope = {"sha256": sha256(canonical.encode()), "body": body}
-        return self.put_bytes(key, json.dumps(envelope, sort_keys=True, indent=1).encode())
+        return self.put_bytes(key, json_document(body))
 
     def get_json(self, key: str) -> dict:
         return self._get_json_sized(key)[0]
@@ -333,6 +348,12 @@ class ObjectStore:
         meta, meta_bytes = self._get_json_sized(f"{key}.json")
         ref = ObjectRef.from_json(meta.pop("tensors"))
         return self.get_tensors(ref), meta, ref.nbytes + meta_bytes
+
+
+def json_document(body: dict) -> bytes:
+    """A JSON object as the store writes it: the body beside the sha256 of its canonical form."""
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return json.dumps({"sha256": sha256(canonical.encode()), "body": body}, sort_keys=True, indent=1).encode()
 
 
 def _verified_json_body(raw: bytes) -> dict | None:

@@ -5,10 +5,15 @@ server with other credentials, which the west learner's process gets from WEST_A
 Only what a partner reads crosses between the stores.
 """
 
+import os
+import signal
+import threading
+import time
+
 import pytest
 
 from bench.islands import Log, train_islands
-from eval.report import store_bytes
+from eval.report import fault_report, store_bytes
 from infra import layout
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
@@ -25,11 +30,24 @@ def west_server(tmp_path_factory):
 
 
 @pytest.fixture
-def two_sites(s3_env, west_server, monkeypatch, tmp_path):
+def two_sites(make_two_sites):
+    return make_two_sites()
+
+
+@pytest.fixture
+def make_two_sites(s3_env, west_server, monkeypatch, tmp_path):
     monkeypatch.setenv("WEST_AWS_ACCESS_KEY_ID", west_server.access_key)
     monkeypatch.setenv("WEST_AWS_SECRET_ACCESS_KEY", west_server.secret_key)
     for i in range(6):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+
+    def make(**sync):
+        return prepare_two_sites(west_server, tmp_path, sync)
+
+    return make
+
+
+def prepare_two_sites(west_server, tmp_path, sync: dict):
     spec = parse_spec({
         "name": "sites",
         "islands": [{"name": "east", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2},
@@ -39,7 +57,7 @@ def two_sites(s3_env, west_server, monkeypatch, tmp_path):
         "model": {"layers": 1, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
                               "eval_fraction": 0.2}]},
-        "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 1, "partner_timeout_s": 60},
+        "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 1, "partner_timeout_s": 60, **sync},
         "store": {"url": f"s3://archipelago/sites/{tmp_path.name}"},
     })
     run = run_store(spec.store, "r")
@@ -87,3 +105,31 @@ def test_an_island_store_uses_its_own_credentials_and_names_what_is_missing(two_
     with pytest.raises(StoreError, match="WEST_AWS_SECRET_ACCESS_KEY not set") as err:
         check_stores_reachable(spec)
     assert "s3cr" not in str(err.value) and spec.islands[1].store.credentials_env == "WEST"
+
+
+def test_a_store_that_goes_away_costs_exchanges_not_the_run(make_two_sites, west_server, tmp_path):
+    """The west site's store stops answering for a stretch: east's learner records missed exchanges
+    and goes on; west's learner retries its own writes until the store is back; the run finishes
+    with every round of both learners, and the report counts the outage."""
+    spec, run = make_two_sites(rounds=10, partner_timeout_s=2)
+    prepare_dataset(spec, run)
+    west = RunStores(spec, run).island("west")
+    trained: dict = {}
+    training = threading.Thread(target=lambda: trained.update(train_islands(spec, "r", Log(tmp_path / "log"))))
+    training.start()
+    while not west.is_committed(layout.checkpoint(1, 2)):
+        time.sleep(0.05)
+    os.killpg(west_server.pid, signal.SIGSTOP)  # unreachable: connections open, nothing answers
+    try:
+        time.sleep(20)
+    finally:
+        os.killpg(west_server.pid, signal.SIGCONT)
+    training.join(timeout=300)
+    assert trained["learners_without_final_checkpoint"] == [] and trained["learners_with_corrupt_final_checkpoint"] == []
+    east_summary, west_summary = read_summaries(spec, run)
+    assert len(east_summary.rounds) == len(west_summary.rounds) == 10
+    missed = [m for m in east_summary.missed_exchanges if m["peer"] == 1]
+    assert missed and all(m["reason"] == "deadline" for m in missed)
+    assert west_summary.store["retries"] > 0
+    faults = fault_report(spec, [east_summary, west_summary], run.list("faults"))
+    assert faults["missed_exchanges"] >= len(missed) and faults["store_retries"] >= west_summary.store["retries"]

@@ -1,11 +1,10 @@
 """bf16 inner steps: autocast arithmetic on fp32 weights, so what learners store and send keeps its kind."""
 
-import threading
-
 import torch
 
 from infra import layout
 from infra.spec import parse_spec
+from tests.learners import run_both
 from training.inner import forward_precision
 from training.learner import Learner
 from training.model import build_model
@@ -36,11 +35,7 @@ def test_bf16_forward_runs_in_bf16_and_stays_close_to_fp32():
 def test_learners_in_bf16_train_together_and_store_fp32(two_learner_run):
     spec, store = two_learner_run("bf16", layers=2, inner_steps=3, rounds=2, island={"precision": "bf16"})
     learners = [Learner(spec, store, i) for i in range(2)]
-    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_both(learners)
     assert all(learner.ledger.missed_exchanges == [] for learner in learners)
     a, b = (flat_parameters(learner.model) for learner in learners)
     assert a.dtype == torch.float32 and torch.isfinite(a).all()

@@ -5,6 +5,7 @@ import pytest
 
 from bench.quality import (FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, README_BEGIN, README_END, SEEDS, Arm,
                            plan, splice_into_readme)
+from infra.spec import load_spec
 from training.model import build_model
 
 
@@ -89,3 +90,11 @@ def test_the_readme_table_is_replaced_between_its_markers_and_nothing_else(tmp_p
     readme.write_text(f"# Title\nbefore\n{README_BEGIN}\nold table\n{README_END}\nafter\n")
     splice_into_readme("# Quality\n\nintro\n\n## a family\n\n| x |\n", readme)
     assert readme.read_text() == f"# Title\nbefore\n{README_BEGIN}\nintro\n\n#### a family\n\n| x |\n{README_END}\nafter\n"
+
+
+def test_the_quality_config_is_the_benchmark_s_butterfly_arm():
+    """`archipelago prepare configs/quality.yaml` must show the split the benchmark's arms use."""
+    config = load_spec("configs/quality.yaml")
+    arm = Arm("islands", 0).spec()
+    assert config.data == arm.data and config.islands == arm.islands and config.model == arm.model
+    assert config.sync == arm.sync

@@ -1,13 +1,12 @@
 """A learner's store stays bounded: checkpoints every few rounds, the newest few kept, messages retired
 once no one can read them, and restarts still find what they need (local store and S3)."""
 
-import threading
-
 import pytest
 import torch
 
 from infra import layout
 from infra.store import ObjectStore
+from tests.learners import run_both
 from training.learner import Learner
 from training.params import flat_parameters
 from training.retention import Retention
@@ -46,14 +45,6 @@ def test_keeping_everything_retires_nothing(store):
         commit_round(store, 0, t)
     assert Retention(lambda learner: store, 0, 1, keep=None, pinned=set()).after_checkpoint() == 0
     assert rounds_of(store, 0) == ([0, 1, 2, 3], [0, 1, 2, 3])
-
-
-def run_both(learners):
-    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 @pytest.mark.parametrize("every", [1, 3])

@@ -5,12 +5,11 @@ be stepped round by round in one process: each round's exchange completes on the
 thread and is applied tau inner steps into the next round.
 """
 
-import threading
-
 import pytest
 import torch
 
 from infra import layout
+from tests.learners import run_both
 from training.learner import Learner
 from training.params import flat_parameters
 
@@ -30,14 +29,6 @@ def step_both(learners, rounds):
     for t in rounds:
         for learner in learners:
             learner.run_round(t)
-
-
-def run_both(learners):
-    threads = [threading.Thread(target=learner.run) for learner in learners]  # as separate processes would
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 def test_each_round_sends_one_fragment_as_its_own_object_and_mixes_it(run):

@@ -40,27 +40,34 @@ class FragmentLayout:
         for name, p in model.named_parameters():
             tensors.append((name, offset, p.numel()))
             offset += p.numel()
-        blocks = sorted({int(name.split(".")[1]) for name, _, _ in tensors if name.startswith("blocks.")})
-        if fragments > max(1, len(blocks)):
-            raise ValueError(f"fragments: {fragments} but the model has {len(blocks)} blocks to split")
-        owner: dict[str, int] = {}
-        for name, _, _ in tensors:
-            if name.startswith("blocks."):
-                b = blocks.index(int(name.split(".")[1]))
-                owner[name] = b % fragments if layout == "strided" else b * fragments // len(blocks)
-        load = [0] * fragments
-        for name, _, numel in tensors:
-            if name in owner:
-                load[owner[name]] += numel
-        for name, _, numel in sorted((t for t in tensors if t[0] not in owner), key=lambda t: -t[2]):
-            owner[name] = min(range(fragments), key=lambda f: load[f])
-            load[owner[name]] += numel
+        owner = assign_fragments([(name, numel) for name, _, numel in tensors], fragments, layout)
         indices, names = [], []
         for f in range(fragments):
             mine = [(name, start, numel) for name, start, numel in tensors if owner[name] == f]
             indices.append(torch.cat([torch.arange(start, start + numel) for _, start, numel in mine]))
             names.append(tuple(name for name, _, _ in mine))
         return cls(tuple(indices), tuple(names))
+
+
+def assign_fragments(tensors: list[tuple[str, int]], fragments: int, layout: str = "strided") -> dict[str, int]:
+    """Each parameter's fragment, from (name, elements) in flat-parameter order: transformer blocks by
+    `layout`, the rest (embeddings, final norm) each to the fragment with the fewest elements so far."""
+    blocks = sorted({int(name.split(".")[1]) for name, _ in tensors if name.startswith("blocks.")})
+    if fragments > max(1, len(blocks)):
+        raise ValueError(f"fragments: {fragments} but the model has {len(blocks)} blocks to split")
+    owner: dict[str, int] = {}
+    for name, _ in tensors:
+        if name.startswith("blocks."):
+            b = blocks.index(int(name.split(".")[1]))
+            owner[name] = b % fragments if layout == "strided" else b * fragments // len(blocks)
+    load = [0] * fragments
+    for name, numel in tensors:
+        if name in owner:
+            load[owner[name]] += numel
+    for name, numel in sorted((t for t in tensors if t[0] not in owner), key=lambda t: -t[1]):
+        owner[name] = min(range(fragments), key=lambda f: load[f])
+        load[owner[name]] += numel
+    return owner
 
 
 def fragment_of_round(round_index: int, fragments: int) -> int:

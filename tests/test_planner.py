@@ -1,0 +1,98 @@
+"""The planner replays the learners' own schedule: its bytes are the bytes learners move, and its
+times follow the overlap rule and the link."""
+
+import json
+
+import pytest
+import torch
+
+from flows.cli import main
+from infra.spec import parse_spec
+from infra.store import ObjectStore
+from infra.transport import Transport
+from training.compression import Codec
+from training.planner import bandwidth_for, fragment_sizes, message_bytes, plan_run, replay
+from training.sync import SYNC_MODES
+
+
+def spec_of(mode="butterfly", fragments=1, tau=0, compression="none", islands=2, learners=2, rounds=6, steps=(4, 2)):
+    return parse_spec({
+        "islands": [{"name": f"i{k}", "learners": learners, "batch_size": 2 * (k + 1), "seq_len": 16,
+                     "inner_steps": steps[k % len(steps)]} for k in range(islands)],
+        "model": {"layers": 2, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "c", "source": "files", "paths": ["x"]}]},
+        "sync": {"mode": mode, "rounds": rounds,
+                 "transport": {"fragments": fragments, "tau": tau, "compression": compression}},
+    })
+
+
+@pytest.mark.parametrize("mode,compression,fragments", [("butterfly", "none", 1), ("butterfly", "int4", 2),
+                                                        ("allreduce", "int8", 2)])
+def test_a_message_is_planned_at_the_bytes_the_transport_reads(tmp_path, mode, compression, fragments):
+    spec = spec_of(mode, fragments=fragments, compression=compression)
+    settings = spec.sync.transport
+    codec = Codec(settings.compression, settings.scale_chunk, settings.topk)
+    transport = Transport(ObjectStore(str(tmp_path)))
+    for fragment, numel in enumerate(fragment_sizes(spec)):
+        payload = {}
+        for name in SYNC_MODES[mode].fields:
+            payload.update({name: torch.randn(numel)} if codec.lossless else
+                           codec.encode(name, torch.randn(numel), sparsify=name != "anchor"))
+        key = f"learners/001/round-0000{fragment}/message" + (f"-fragment-{fragment:03d}" if fragments > 1 else "")
+        meta = {"learner": 1, "round": fragment, "tokens": spec.learners[1].tokens_per_round(), "fragment": fragment,
+                "anchor_from_initial": not codec.lossless}
+        transport.put_message(key, payload, meta, "inter")
+        _, _, read = transport.get_message(key, "inter", 1 << 30)
+        assert message_bytes(spec, numel, learner=1, round_index=fragment) == read
+
+
+def test_fragments_cover_the_model_as_the_learners_split_it():
+    from training.fragments import FragmentLayout
+    from training.model import build_model
+    spec = spec_of(fragments=2)
+    assert fragment_sizes(spec) == FragmentLayout.build(build_model(spec), 2).sizes
+
+
+def test_an_unlimited_link_leaves_only_the_slower_island_s_compute_to_wait_for():
+    spec = spec_of(steps=(4, 2))
+    # Both islands take 0.4 s of compute per round: nobody waits on an unlimited link.
+    plans = replay(spec, {"i0": 0.1, "i1": 0.2}, 1e18)
+    assert all(p.blocked_s < 1e-9 for p in plans)
+    assert plans[0].round_ends[-1] == pytest.approx(6 * 0.4)
+    # West twice as slow: east waits for its partners every round it exchanges across the link.
+    slow = replay(spec, {"i0": 0.1, "i1": 0.4}, 1e18)
+    assert slow[0].blocked_s > 0 and slow[2].blocked_s == pytest.approx(0, abs=1e-9)
+
+
+def test_overlap_hides_a_transfer_shorter_than_tau_steps():
+    spec_now, spec_later = spec_of(fragments=2, tau=0), spec_of(fragments=2, tau=2)
+    nbytes = message_bytes(spec_now, max(fragment_sizes(spec_now)))
+    rate = nbytes * 8 / 0.15  # a message takes 0.15 s to cross; two inner steps take 0.2 s
+    waiting = plan_run(spec_now, {"i0": 0.1, "i1": 0.2}, rate)
+    hidden = plan_run(spec_later, {"i0": 0.1, "i1": 0.2}, rate)
+    assert waiting["blocked_s"] > 0.15 * 2  # every crossing exchange is waited for
+    assert hidden["utilisation"] > waiting["utilisation"]
+    assert hidden["exchange_bytes"] == waiting["exchange_bytes"]
+
+
+def test_the_link_for_a_goal_is_the_slowest_that_reaches_it():
+    spec = spec_of(fragments=2, tau=1, compression="int8")
+    steps = {"i0": 0.1, "i1": 0.2}
+    need = bandwidth_for(spec, steps, 0.95)
+    assert plan_run(spec, steps, need * 1.01)["utilisation"] >= 0.95 > plan_run(spec, steps, need * 0.9)["utilisation"]
+    assert bandwidth_for(spec, steps, 0.99) > need
+    # Compute-bound: an island twice as slow holds the other back whatever the link.
+    assert bandwidth_for(spec, {"i0": 0.1, "i1": 0.4}, 0.95) is None
+
+
+def test_plan_command_prints_and_writes_the_plan(tmp_path, capsys):
+    config = tmp_path / "spec.yaml"
+    config.write_text(json.dumps(spec_of(fragments=2, tau=1).model_dump(mode="json")))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(config), "--link-gbps", "0.01", "--step-seconds", "i0=0.1", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "measured here" in printed and "link for 95% utilisation" in printed
+    written = json.loads(out.read_text())
+    assert written["islands"]["i0"]["step_seconds"] == 0.1 and written["islands"]["i1"]["step_seconds"] > 0
+    assert main(["plan", str(config), "--step-seconds", "nowhere=1"]) == 2
+    assert "nowhere" in capsys.readouterr().err

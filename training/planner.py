@@ -1,0 +1,236 @@
+"""Plan before renting: what a run's islands and link will deliver, replayed from the learners' own schedule.
+
+Given a run spec, each island's seconds per inner step and the inter-island link's rate, the plan
+replays every round of every learner: its inner steps, the fragment the round exchanges and the
+peers it exchanges with (`training.fragments`, the sync mode's `peers`), the exact size of each
+message (the run's codec encodes a message of the fragment's size), the wait for peers' messages
+and the overlap rule (a round's exchange is applied `tau` inner steps into the next round, the
+last round's at once). Transfers across the link queue on it, one direction at a time, in the
+order they start; a learner's transport reads its peers one after another. Reads within an
+island cost nothing here: each island's store is on its own site.
+
+What it leaves out: store request latency, checkpoint writes, and cores shared by learners on one
+machine. `bench/shaped_link.py` measures what those cost and sets the plan beside the measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from safetensors.torch import save as save_safetensors
+
+from infra import layout
+from infra.spec import RunSpec
+from infra.store import ObjectRef, json_document
+from training.compression import Codec
+from training.fragments import assign_fragments, fragment_of_round
+from training.model import build_model
+from training.sync import SYNC_MODES
+
+UTILISATION_GOALS = (0.90, 0.95, 0.99)
+# Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
+# an affine fit between two encoded sizes (multiples of any scale chunk, so only padding is missed).
+_EXACT_UP_TO = 1 << 24
+_FIT_SIZES = (1 << 12, 1 << 13)
+
+
+def fragment_sizes(spec: RunSpec) -> list[int]:
+    """Elements of each fragment, from the model's parameter shapes alone (built on the meta
+    device, so a plan for billions of parameters allocates nothing)."""
+    with torch.device("meta"):
+        model = build_model(spec)
+    named = [(name, p.numel()) for name, p in model.named_parameters()]
+    owner = assign_fragments(named, spec.sync.transport.fragments, spec.sync.transport.layout)
+    sizes = [0] * spec.sync.transport.fragments
+    for name, numel in named:
+        sizes[owner[name]] += numel
+    return sizes
+
+
+def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0) -> int:
+    """Bytes a learner reads for one peer's message of a fragment of `numel` elements: the tensors
+    as the run's codec encodes them, and the JSON commit that points at them."""
+    settings = spec.sync.transport
+    codec = Codec(settings.compression, settings.scale_chunk, settings.topk)
+    fields = SYNC_MODES[spec.sync.mode].fields
+
+    def tensors(n: int) -> int:
+        payload: dict[str, torch.Tensor] = {}
+        for name in fields:
+            payload.update({name: torch.zeros(n)} if codec.lossless else
+                           codec.encode(name, torch.zeros(n), sparsify=name != "anchor"))
+        return len(save_safetensors(payload))
+
+    if numel <= _EXACT_UP_TO:
+        nbytes = tensors(numel)
+    else:  # too large to encode here: affine in the elements, up to a chunk's padding
+        small, large = (tensors(n) for n in _FIT_SIZES)
+        nbytes = round(small + (large - small) / (_FIT_SIZES[1] - _FIT_SIZES[0]) * (numel - _FIT_SIZES[0]))
+    key = f"{layout.message(learner, round_index, round_index % settings.fragments if settings.fragments > 1 else None)}"
+    commit = {"tensors": ObjectRef(f"{key}.safetensors", "0" * 64, nbytes).to_json(), "learner": learner,
+              "round": round_index, "tokens": spec.learners[learner].tokens_per_round(),
+              "fragment": fragment_of_round(round_index, settings.fragments),
+              "anchor_from_initial": not codec.lossless}
+    return nbytes + len(json_document(commit))
+
+
+@dataclass
+class LearnerPlan:
+    learner: int
+    island: str
+    compute_s: float = 0.0
+    blocked_s: float = 0.0
+    round_ends: list[float] = field(default_factory=list)
+    bytes_written: int = 0
+    bytes_read: dict[str, int] = field(default_factory=lambda: {"inter": 0, "intra": 0})
+
+    @property
+    def steady_utilisation(self) -> float:
+        """Compute over wall from the end of the first round to the end of the last, as the bench measures."""
+        span = self.round_ends[-1] - self.round_ends[0]
+        rounds = len(self.round_ends)
+        return min(1.0, self.compute_s * (rounds - 1) / rounds / span) if span > 0 else 1.0
+
+
+def fragment_message_bytes(spec: RunSpec) -> list[int]:
+    """The bytes of one message of each fragment."""
+    return [message_bytes(spec, n) for n in fragment_sizes(spec)]
+
+
+def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
+           sizes_bytes: list[int] | None = None) -> list[LearnerPlan]:
+    """Every learner's rounds on this link: when each computes, waits and finishes."""
+    slots = spec.learners
+    settings, mode = spec.sync.transport, SYNC_MODES[spec.sync.mode]
+    links_of = [["intra" if p.island.name == s.island.name else "inter" for p in slots] for s in slots]
+    sizes_bytes = sizes_bytes or fragment_message_bytes(spec)
+    plans = [LearnerPlan(s.index, s.island.name) for s in slots]
+    clock = [0.0] * len(slots)
+    pending: list[float | None] = [None] * len(slots)  # when the previous round's exchange is complete
+    busy_until: dict[tuple[str, str], float] = {}  # the link, each direction
+    for t in range(spec.sync.rounds):
+        sent = []
+        for s, plan in zip(slots, plans):
+            steps, per_step = s.island.inner_steps, step_seconds[s.island.name]
+            compute = steps * per_step
+            blocked = max(0.0, pending[s.index] - (clock[s.index] + min(settings.tau, steps) * per_step)) \
+                if pending[s.index] is not None else 0.0
+            clock[s.index] += compute + blocked
+            plan.compute_s += compute
+            plan.blocked_s += blocked
+            sent.append(clock[s.index])
+        fragment = fragment_of_round(t, settings.fragments)
+        nbytes = sizes_bytes[fragment]
+        ready = list(sent)
+        transfers = sorted(((sent[s.index], s.index, peer) for s in slots
+                            for peer in mode.peers(s.index, t, settings.fragments, links_of[s.index])),
+                           key=lambda item: (max(item[0], sent[item[2]]), item[1]))
+        for _, me, peer in transfers:
+            start = max(ready[me], sent[peer])
+            if links_of[me][peer] == "inter":
+                direction = (slots[peer].island.name, slots[me].island.name)
+                start = max(start, busy_until.get(direction, 0.0))
+                busy_until[direction] = start + nbytes * 8 / link_bps
+                ready[me] = busy_until[direction]
+            else:
+                ready[me] = start
+            plans[me].bytes_read[links_of[me][peer]] += nbytes
+        for s, plan in zip(slots, plans):
+            plan.bytes_written += nbytes
+            if settings.tau == 0 or t == spec.sync.rounds - 1:
+                wait = max(0.0, ready[s.index] - clock[s.index])
+                clock[s.index] += wait
+                plan.blocked_s += wait
+                pending[s.index] = None
+            else:
+                pending[s.index] = ready[s.index]
+            plan.round_ends.append(clock[s.index])
+    return plans
+
+
+def steady_utilisation(plans: list[LearnerPlan]) -> float:
+    computing = sum(p.compute_s * (len(p.round_ends) - 1) / len(p.round_ends) for p in plans)
+    return min(1.0, computing / sum(p.round_ends[-1] - p.round_ends[0] for p in plans))
+
+
+def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float) -> float | None:
+    """The slowest link (bit/s) at which the run keeps `goal` utilisation; None when even an
+    unlimited link does not (the islands wait on each other's compute)."""
+    sizes = fragment_message_bytes(spec)
+    if steady_utilisation(replay(spec, step_seconds, 1e18, sizes)) < goal:
+        return None
+    low, high = 1e3, 1e15
+    for _ in range(60):  # bisection in log space: 60 halvings of a factor of 1e12 leave 1e-7 of it
+        mid = math.sqrt(low * high)
+        low, high = (mid, high) if steady_utilisation(replay(spec, step_seconds, mid, sizes)) < goal else (low, mid)
+    return high
+
+
+def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, startup_s: float = 0.0) -> dict:
+    """The plan of a run: per island and for the run, compute, bytes per link class, time blocked on
+    the link, utilisation, wall time, and the link needed for each utilisation goal."""
+    missing = sorted({s.island.name for s in spec.learners} - set(step_seconds))
+    if missing:
+        raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
+    plans = replay(spec, step_seconds, link_bps)
+    islands = {}
+    for island in spec.islands:
+        mine = [p for p in plans if p.island == island.name]
+        islands[island.name] = {
+            "learners": len(mine), "step_seconds": step_seconds[island.name],
+            "compute_s": sum(p.compute_s for p in mine) / len(mine),
+            "blocked_s": sum(p.blocked_s for p in mine) / len(mine),
+            "bytes_written_per_round": sum(p.bytes_written for p in mine) / spec.sync.rounds,
+            "bytes_read_per_round": {c: sum(p.bytes_read[c] for p in mine) / spec.sync.rounds for c in ("inter", "intra")},
+            "utilisation": steady_utilisation(mine)}
+    inter = sum(p.bytes_read["inter"] for p in plans)
+    return {
+        "link_bps": link_bps, "rounds": spec.sync.rounds, "learners": len(plans),
+        "parameters": sum(fragment_sizes(spec)), "fragment_sizes": fragment_sizes(spec),
+        "islands": islands,
+        "exchange_bytes": {"inter": inter, "intra": sum(p.bytes_read["intra"] for p in plans)},
+        "blocked_s": sum(p.blocked_s for p in plans),
+        "utilisation": steady_utilisation(plans),
+        "wall_s": startup_s + max(p.round_ends[-1] for p in plans),
+        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal)
+                                      for goal in UTILISATION_GOALS},
+    }
+
+
+def measure_step_seconds(spec: RunSpec, island: str, steps: int = 5) -> float:
+    """Seconds per inner step of one of the island's learners, measured here: the learner's own model,
+    optimizer, batch and precision on random bytes, with the threads a learner process gets when all
+    the run's learners share this machine, scaled by how far they oversubscribe its cores."""
+    import os
+
+    from infra.launch import threads_per_process
+    from training.inner import forward_precision, inner_optimizer, optimizer_step
+
+    slot = next(s for s in spec.learners if s.island.name == island)
+    threads = threads_per_process(spec)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        device = torch.device("cpu")
+        model = build_model(spec)
+        optimizer = inner_optimizer(model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
+        rows = slot.island.batch_size // slot.island.processes_per_learner
+        data = torch.randint(0, 256, (rows, slot.island.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        times = []
+        for _ in range(steps + 1):
+            began = time.perf_counter()
+            with forward_precision(device, slot.island.precision):
+                loss = model.loss(data[:, :-1], data[:, 1:])
+            optimizer.zero_grad(set_to_none=False)
+            loss.backward()
+            optimizer_step(model, optimizer, spec.sync.inner_lr)
+            times.append(time.perf_counter() - began)
+    finally:
+        torch.set_num_threads(previous)
+    processes = sum(s.island.processes_per_learner for s in spec.learners)
+    oversubscribed = max(1.0, processes * threads / (os.cpu_count() or 1))
+    return statistics.median(times[1:]) * oversubscribed  # the first step pays for allocation
