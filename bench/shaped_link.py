@@ -286,10 +286,7 @@ def predict(spec, rate_bps: float) -> dict:
     what they cost)."""
     from training.planner import measure_step_seconds, plan_run
 
-    began = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import training.process"], check=True)
-    startup_s = time.monotonic() - began
-    step_seconds = {island.name: measure_step_seconds(spec, island.name) for island in spec.islands}
+    step_seconds, startup_s = measure_step_seconds(spec)
     planned = plan_run(spec, step_seconds, rate_bps, startup_s)
     log(f"plan for {spec.name}: {json.dumps({k: planned[k] for k in ('utilisation', 'wall_s')})}, "
         f"step seconds {step_seconds}, start-up {startup_s:.1f} s")

@@ -170,11 +170,16 @@ def plan(args: argparse.Namespace) -> int:
         print(f"error: --step-seconds names island(s) {', '.join(sorted(unknown))} that the spec does not have",
               file=sys.stderr)
         return 2
-    for island in spec.islands:
-        if island.name not in given:
-            given[island.name] = measure_step_seconds(spec, island.name)
-            print(f"island {island.name}: {given[island.name]:.4f} s per inner step, measured here")
-    result = plan_run(spec, given, args.link_gbps * 1e9, args.startup_s)
+    startup_s = args.startup_s
+    if any(island.name not in given for island in spec.islands):
+        measured, ready_s = measure_step_seconds(spec)
+        startup_s = ready_s if startup_s is None else startup_s
+        for island in spec.islands:
+            if island.name not in given:
+                given[island.name] = measured[island.name]
+                print(f"island {island.name}: {given[island.name]:.4f} s per inner step, measured here with "
+                      f"all {len(spec.learners)} learners stepping at once")
+    result = plan_run(spec, given, args.link_gbps * 1e9, startup_s or 0.0)
     print(plan_table(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -232,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--link-gbps", type=float, default=25.0, help="inter-island link, Gbit/s each way")
     plan_parser.add_argument("--step-seconds", action="append", default=[], metavar="ISLAND=S",
                              help="seconds per inner step of an island's learners (measured here when not given)")
-    plan_parser.add_argument("--startup-s", type=float, default=0.0, help="seconds before the first inner step")
+    plan_parser.add_argument("--startup-s", type=float, default=None,
+                             help="seconds before the first inner step (measured with the step times when not given)")
     plan_parser.add_argument("--json", help="write the plan as JSON here")
     plan_parser.set_defaults(handler=plan)
     serve_parser = commands.add_parser(

@@ -16,6 +16,7 @@ machine. `bench/shaped_link.py` measures what those cost and sets the plan besid
 from __future__ import annotations
 
 import math
+import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -201,36 +202,52 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
     }
 
 
-def measure_step_seconds(spec: RunSpec, island: str, steps: int = 5) -> float:
-    """Seconds per inner step of one of the island's learners, measured here: the learner's own model,
-    optimizer, batch and precision on random bytes, with the threads a learner process gets when all
-    the run's learners share this machine, scaled by how far they oversubscribe its cores."""
-    import os
-
+def measure_step_seconds(spec: RunSpec, steps: int = 6) -> tuple[dict[str, float], float]:
+    """Seconds per inner step of each island's learners, measured here with every learner of the run
+    stepping at once, each in its own process with the threads a learner process gets, as they
+    will share this machine's cores; and the seconds a learner process takes to be ready to step."""
     from infra.launch import threads_per_process
+
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(len(spec.learners))
+    results = context.Queue()
+    began = time.monotonic()
+    workers = [context.Process(target=_profile_learner,
+                               args=(spec.model_dump(mode="json"), slot.index, steps, threads_per_process(spec),
+                                     start, results, began))
+               for slot in spec.learners]
+    for worker in workers:
+        worker.start()
+    measured = [results.get(timeout=600) for _ in workers]
+    for worker in workers:
+        worker.join()
+    per_island: dict[str, list[float]] = {}
+    for learner, seconds, _ in measured:
+        per_island.setdefault(spec.learners[learner].island.name, []).append(seconds)
+    return ({island: statistics.median(times) for island, times in per_island.items()},
+            max(ready for _, _, ready in measured))
+
+
+def _profile_learner(raw_spec: dict, learner: int, steps: int, threads: int, start, results, began: float) -> None:
+    """One learner's inner steps on random bytes: its model, optimizer, batch and precision."""
     from training.inner import forward_precision, inner_optimizer, optimizer_step
 
-    slot = next(s for s in spec.learners if s.island.name == island)
-    threads = threads_per_process(spec)
-    previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    try:
-        device = torch.device("cpu")
-        model = build_model(spec)
-        optimizer = inner_optimizer(model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
-        rows = slot.island.batch_size // slot.island.processes_per_learner
-        data = torch.randint(0, 256, (rows, slot.island.seq_len + 1), generator=torch.Generator().manual_seed(0))
-        times = []
-        for _ in range(steps + 1):
-            began = time.perf_counter()
-            with forward_precision(device, slot.island.precision):
-                loss = model.loss(data[:, :-1], data[:, 1:])
-            optimizer.zero_grad(set_to_none=False)
-            loss.backward()
-            optimizer_step(model, optimizer, spec.sync.inner_lr)
-            times.append(time.perf_counter() - began)
-    finally:
-        torch.set_num_threads(previous)
-    processes = sum(s.island.processes_per_learner for s in spec.learners)
-    oversubscribed = max(1.0, processes * threads / (os.cpu_count() or 1))
-    return statistics.median(times[1:]) * oversubscribed  # the first step pays for allocation
+    spec = RunSpec.model_validate(raw_spec)
+    island = spec.learners[learner].island
+    model = build_model(spec)
+    optimizer = inner_optimizer(model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
+    rows = island.batch_size // island.processes_per_learner
+    data = torch.randint(0, 256, (rows, island.seq_len + 1), generator=torch.Generator().manual_seed(learner))
+    ready = time.monotonic() - began
+    start.wait()
+    times = []
+    for _ in range(steps + 1):
+        step_began = time.perf_counter()
+        with forward_precision(torch.device("cpu"), island.precision):
+            loss = model.loss(data[:, :-1], data[:, 1:])
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        optimizer_step(model, optimizer, spec.sync.inner_lr)
+        times.append(time.perf_counter() - step_began)
+    results.put((learner, statistics.median(times[1:]), ready))  # the first step pays for allocation
