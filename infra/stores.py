@@ -16,9 +16,12 @@ from infra.store import ObjectStore
 
 
 class RunStores:
-    def __init__(self, spec: RunSpec, run: ObjectStore, faults: StoreFaults | None = None):
-        """`run`: the run's own prefix in the run's store; `faults` are injected on the islands' stores too."""
-        self.spec, self.run, self.faults = spec, run, faults
+    def __init__(self, spec: RunSpec, run: ObjectStore, faults: StoreFaults | None = None, reader: str | None = None):
+        """`run`: the run's own prefix in the run's store; `faults` are injected on the islands' stores too.
+        `reader`: the island of the learner that reads through these stores. Another island's store
+        then gives up within `sync.partner_timeout_s` (its retry budget, and so its socket timeouts):
+        a site that has gone away costs the reader exchanges, not its round."""
+        self.spec, self.run, self.faults, self.reader = spec, run, faults, reader
         self._islands: dict[str, ObjectStore] = {}
 
     def island(self, name: str) -> ObjectStore:
@@ -26,7 +29,11 @@ class RunStores:
         if island.store is None:
             return self.run
         if name not in self._islands:
-            self._islands[name] = ObjectStore.from_spec(island.store, self.faults).child(self.run.prefix)
+            store_spec = island.store
+            if self.reader is not None and name != self.reader:
+                store_spec = store_spec.model_copy(update={
+                    "retry_budget_s": min(store_spec.retry_budget_s, self.spec.sync.partner_timeout_s)})
+            self._islands[name] = ObjectStore.from_spec(store_spec, self.faults).child(self.run.prefix)
         return self._islands[name]
 
     def learner(self, index: int) -> ObjectStore:

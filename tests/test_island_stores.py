@@ -129,7 +129,7 @@ def test_a_store_that_goes_away_costs_exchanges_not_the_run(make_two_sites, west
     east_summary, west_summary = read_summaries(spec, run)
     assert len(east_summary.rounds) == len(west_summary.rounds) == 10
     missed = [m for m in east_summary.missed_exchanges if m["peer"] == 1]
-    assert missed and all(m["reason"] == "deadline" for m in missed)
+    assert missed and all(m["reason"] == "deadline" or m["reason"].startswith("unreachable") for m in missed)
     assert west_summary.store["retries"] > 0
     faults = fault_report(spec, [east_summary, west_summary], run.list("faults"))
     assert faults["missed_exchanges"] >= len(missed) and faults["store_retries"] >= west_summary.store["retries"]

@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         dist.init_process_group("nccl" if spec.learners[args.learner].island.device == "cuda" else "gloo")
     try:
-        learner = Learner(spec, RunStores(spec, store, faults), args.learner, rank, world)
+        learner = Learner(spec, RunStores(spec, store, faults, reader=spec.learners[args.learner].island.name),
+                          args.learner, rank, world)
         learner.resume()
         finished = learner.run(args.until)
     finally:

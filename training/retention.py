@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from infra import layout
-from infra.store import ObjectStore
+from infra.retry import StoreUnavailable
+from infra.store import ObjectStore, StoreError
 
 
 class Retention:
@@ -39,9 +40,15 @@ class Retention:
         kept = rounds[-self.keep:]
         removed = sum(store.retire(layout.checkpoint(self.learner, t), mine)
                       for t in rounds if t not in kept and t not in self.pinned)
-        newest_of_others = [max(layout.checkpoint_rounds(self.store_of(peer).list(layout.learner_prefix(peer))),
-                                default=-1)
-                            for peer in range(self.learners) if peer != self.learner]
-        floor = min([min(kept, default=-1), *newest_of_others])
+        floor = min([min(kept, default=-1), *(self._newest_checkpoint(peer) for peer in range(self.learners)
+                                                if peer != self.learner)])
         return removed + sum(store.retire(key, mine)
                              for t, key in layout.committed_messages(mine) if t < floor)
+
+    def _newest_checkpoint(self, peer: int) -> int:
+        """A peer's newest checkpoint round; -1 when it has none or its store is out of reach (then
+        nothing it might read is retired until it can be asked again)."""
+        try:
+            return max(layout.checkpoint_rounds(self.store_of(peer).list(layout.learner_prefix(peer))), default=-1)
+        except (StoreError, StoreUnavailable):
+            return -1

@@ -18,7 +18,8 @@ from datetime import datetime, timezone
 import torch
 
 from infra import layout
-from infra.store import IntegrityError, ObjectMissing, ObjectStore
+from infra.retry import StoreUnavailable
+from infra.store import IntegrityError, ObjectMissing, ObjectStore, StoreError
 from training.events import emit
 from training.ledger import Ledger
 from training.retention import Retention
@@ -108,8 +109,12 @@ class Lives:
         return [{**self._record(learner, key), "paused": key in paused} for key in keys if "/life-" in key]
 
     def skipped_by(self, peer: int, round_index: int) -> bool:
-        """Whether a restart of `peer` skipped the round: its message of that round never comes."""
-        return any(round_index in life["skipped_rounds"] for life in self.of(peer))
+        """Whether a restart of `peer` skipped the round: its message of that round never comes. A
+        peer whose records are out of reach is waited for until the deadline, as if it had not."""
+        try:
+            return any(round_index in life["skipped_rounds"] for life in self.of(peer))
+        except (StoreError, StoreUnavailable):
+            return False
 
     def record(self, learner: int, life: int, start_round: int, resumed_from: dict | None) -> None:
         """Record that a life has begun, with the rounds whose messages will never come: a learner

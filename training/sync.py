@@ -24,7 +24,8 @@ import torch
 
 from infra import layout
 from infra.spec import LearnerSlot, RunSpec
-from infra.store import IntegrityError, ObjectExists
+from infra.retry import StoreUnavailable
+from infra.store import IntegrityError, ObjectExists, StoreError
 from infra.transport import MalformedMessage
 from training.compression import Codec, ErrorFeedback
 from training.events import emit
@@ -246,16 +247,18 @@ class Exchanger:
         one, `sync.partner_timeout_s`) unless the peer's restart skipped the round."""
         key = self._message_key(peer, round_index)
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self.transport.wait_for_message(key, timeout, give_up=lambda: self.skipped(peer, round_index)):
-            return self._missed(peer, round_index, "skipped by the peer's restart"
-                                if self.skipped(peer, round_index) else "deadline")
-        link, expected = self.links[peer], self._expected(peer, round_index)
         try:
+            if not self.transport.wait_for_message(key, timeout, give_up=lambda: self.skipped(peer, round_index)):
+                return self._missed(peer, round_index, "skipped by the peer's restart"
+                                    if self.skipped(peer, round_index) else "deadline")
+            link, expected = self.links[peer], self._expected(peer, round_index)
             payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes)
         except IntegrityError as err:
             return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True)
         except MalformedMessage as err:
             return self._missed(peer, round_index, f"refused: {err}")
+        except (StoreError, StoreUnavailable) as err:  # the peer's store is out of reach: its site, or the link
+            return self._missed(peer, round_index, f"unreachable: {err}")
         try:
             message = accept_message(payload, meta, expected, self.codec)
         except MessageRejected as err:
