@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import re
 import time
@@ -279,11 +280,15 @@ class ObjectStore:
                  give_up: Callable[[], bool] = lambda: False) -> bool:
         """Whether `key` exists within `timeout_s`; stop early once `give_up()` says it never will."""
         deadline = time.monotonic() + timeout_s
+        asked = -math.inf
         while True:
             if self._exists_by(key, deadline):
                 return True
-            if give_up():
-                return self._exists_by(key, deadline)  # it may have landed just before the reason to give up
+            # `give_up` may itself read the store (a peer's liveness records): asked once a second at most.
+            if time.monotonic() - asked >= 1.0:
+                asked = time.monotonic()
+                if give_up():
+                    return self._exists_by(key, deadline)  # it may have landed just before the reason to give up
             if time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)

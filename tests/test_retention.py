@@ -29,15 +29,29 @@ def test_retention_keeps_the_newest_checkpoints_and_messages_a_reader_may_still_
         commit_round(store, 0, t)
     for t in range(3):  # the other learner is behind: its newest checkpoint is round 2
         commit_round(store, 1, t)
-    removed = Retention(lambda learner: store, 0, 2, keep=2, pinned={1}).after_checkpoint()
+    retention = Retention(lambda learner: store, 0, 2, keep=2, pinned={1})
+    removed = retention.after_checkpoint()
     checkpoints, messages = rounds_of(store, 0)
     assert checkpoints == [1, 4, 5]  # the newest two, and the curve's round 1
-    assert messages == [2, 3, 4, 5]  # learner 1 resumes from round 2 at the earliest and reads from there on
-    assert removed == 3 * 2 + 2 * 2  # each retired object is its commit and its tensors
-    assert not [k for k in store.list(layout.learner_prefix(0)) if "round-00000" in k or "round-00002/check" in k]
-    # Retiring nothing more is a no-op, and a retired checkpoint is gone as a whole, commit first.
-    assert Retention(lambda learner: store, 0, 2, keep=2, pinned={1}).after_checkpoint() == 0
+    assert messages == [0, 1, 2, 3, 4, 5]  # learner 1 may resume from round 2 and read from there on
+    assert removed == 3 * 2  # each retired checkpoint is its commit and its tensors
     assert not store.is_committed(layout.checkpoint(0, 3))
+    assert not [k for k in store.list(layout.learner_prefix(0)) if "round-00000/check" in k]
+    # Once learner 1 has checkpointed our oldest kept round, our messages before it go, commit first.
+    for t in range(3, 5):
+        commit_round(store, 1, t)
+    assert retention.after_checkpoint() == 4 * 2
+    assert rounds_of(store, 0) == ([1, 4, 5], [4, 5])
+    assert not [k for k in store.list(layout.learner_prefix(0)) if "round-00000" in k]
+    # Ahead of us and already past that round, learner 1 still counts as having reached it.
+    for t in range(5, 9):
+        commit_round(store, 1, t)
+    Retention(lambda learner: store, 1, 2, keep=2, pinned=set()).after_checkpoint()
+    assert rounds_of(store, 1)[0] == [7, 8]
+    for t in range(6, 8):
+        commit_round(store, 0, t)
+    assert Retention(lambda learner: store, 0, 2, keep=2, pinned=set()).after_checkpoint() > 0
+    assert rounds_of(store, 0) == ([6, 7], [6, 7])
 
 
 def test_keeping_everything_retires_nothing(store):

@@ -40,15 +40,22 @@ class Retention:
         kept = rounds[-self.keep:]
         removed = sum(store.retire(layout.checkpoint(self.learner, t), mine)
                       for t in rounds if t not in kept and t not in self.pinned)
-        floor = min([min(kept, default=-1), *(self._newest_checkpoint(peer) for peer in range(self.learners)
-                                                if peer != self.learner)])
+        # Messages before our oldest kept checkpoint go once every other learner has reached it.
+        floor = min(kept, default=-1)
+        if not all(self._reached(peer, floor) for peer in range(self.learners) if peer != self.learner):
+            return removed
         return removed + sum(store.retire(key, mine)
                              for t, key in layout.committed_messages(mine) if t < floor)
 
-    def _newest_checkpoint(self, peer: int) -> int:
-        """A peer's newest checkpoint round; -1 when it has none or its store is out of reach (then
-        nothing it might read is retired until it can be asked again)."""
+    def _reached(self, peer: int, round_index: int) -> bool:
+        """Whether a peer has committed a checkpoint of `round_index` or later. Learners checkpoint the
+        same rounds, so one request for that round's commit mostly answers it (a listing of the
+        peer's objects costs far more across a link); a peer out of reach has not, for now."""
+        if round_index < 0:
+            return False
         try:
-            return max(layout.checkpoint_rounds(self.store_of(peer).list(layout.learner_prefix(peer))), default=-1)
+            store = self.store_of(peer)
+            return store.is_committed(layout.checkpoint(peer, round_index)) or \
+                max(layout.checkpoint_rounds(store.list(layout.learner_prefix(peer))), default=-1) >= round_index
         except (StoreError, StoreUnavailable):
-            return -1
+            return False
