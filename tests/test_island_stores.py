@@ -117,7 +117,9 @@ def test_a_store_that_goes_away_costs_exchanges_not_the_run(make_two_sites, west
     trained: dict = {}
     training = threading.Thread(target=lambda: trained.update(train_islands(spec, "r", Log(tmp_path / "log"))))
     training.start()
-    while not west.is_committed(layout.checkpoint(1, 2)):
+    deadline = time.monotonic() + 120
+    while max(layout.checkpoint_rounds(west.list(layout.learner_prefix(1))), default=-1) < 2:
+        assert time.monotonic() < deadline and training.is_alive(), "the west learner never checkpointed round 2"
         time.sleep(0.05)
     os.killpg(west_server.pid, signal.SIGSTOP)  # unreachable: connections open, nothing answers
     try:
