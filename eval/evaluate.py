@@ -35,12 +35,6 @@ def heldout_bpb(spec: RunSpec, store, key: str) -> dict[str, float]:
 
 def evaluate(spec: RunSpec, store) -> dict:
     """{eval name: {"islands": bpb result, "baseline": bpb result}} over every held-out byte."""
-    manifest = store.get_json(layout.DATA_MANIFEST)
-    models = {"islands": load_model(spec, store, layout.CONSOLIDATED)[0],
-              "baseline": load_model(spec, store, layout.BASELINE)[0]}
-    results = {}
-    for name, entry in manifest["heldout"].items():
-        stream = read_stream(store, entry)
-        results[name] = {arm: bits_per_byte(model, stream, spec.max_seq_len, spec.eval.batch_size)
-                         for arm, model in models.items()}
-    return results
+    islands = score_model(spec, store, layout.CONSOLIDATED)["heldout"]
+    baseline = score_model(spec, store, layout.BASELINE)["heldout"]
+    return {name: {"islands": islands[name], "baseline": baseline[name]} for name in islands}
