@@ -155,6 +155,7 @@ def plan(args: argparse.Namespace) -> int:
     spec = load_spec_or_say_why(args.config)
     if spec is None:
         return 2
+    from tasks.planning import plan_markdown
     from training.planner import measure_step_seconds, plan_run
 
     given = {}
@@ -180,25 +181,10 @@ def plan(args: argparse.Namespace) -> int:
                 print(f"island {island.name}: {given[island.name]:.4f} s per inner step, measured here with "
                       f"all {len(spec.learners)} learners stepping at once")
     result = plan_run(spec, given, args.link_gbps * 1e9, startup_s or 0.0)
-    print(plan_table(result))
+    print(plan_markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
-
-
-def plan_table(result: dict) -> str:
-    lines = [f"{result['learners']} learners, {result['parameters']:,} parameters, {result['rounds']} rounds, "
-             f"link {result['link_bps'] / 1e9:g} Gbit/s",
-             f"{'island':<12}{'s/step':>9}{'compute s':>11}{'blocked s':>11}{'inter MB/round':>16}{'utilisation':>13}"]
-    for name, island in result["islands"].items():
-        lines.append(f"{name:<12}{island['step_seconds']:>9.4f}{island['compute_s']:>11.1f}{island['blocked_s']:>11.1f}"
-                     f"{island['bytes_read_per_round']['inter'] / 1e6:>16.3f}{island['utilisation']:>13.1%}")
-    lines.append(f"run: utilisation {result['utilisation']:.1%}, wall {result['wall_s']:.1f} s, inter-island "
-                 f"{result['exchange_bytes']['inter'] / 1e6:,.1f} MB, intra-island {result['exchange_bytes']['intra'] / 1e6:,.1f} MB")
-    for goal, bps in result["bandwidth_for_utilisation"].items():
-        need = f"{bps / 1e9:.3g} Gbit/s" if bps else "not reachable: the islands wait on each other's compute"
-        lines.append(f"link for {float(goal):.0%} utilisation: {need}")
-    return "\n".join(lines)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The flows that run as deployments: a whole run (`archipelago`) and an island's segment (`segment`).
+"""The flows that run as deployments: a whole run (`archipelago`), an island's segment (`segment`),
+and a plan (`plan`) that predicts a run without training it.
 
 `archipelago` is what a person starts from the Prefect UI: its parameters form is the run spec.
 It runs the lifecycle with every island's segments as runs of that island's `segment`
@@ -47,3 +48,19 @@ def archipelago(spec: RunSpec, run_id: str | None = None) -> dict:
     if not run_store(spec.store, run_id).exists(layout.SPEC):
         check_windows_ahead(spec, datetime.now(timezone.utc))
     return run_lifecycle(spec, run_id, islands_via="deployments")
+
+
+@flow(name="plan", persist_result=False, result_serializer=RESULT_SERIALIZER)
+def plan(spec: RunSpec, link_gbps: float = 25.0, step_seconds: dict[str, float] | None = None) -> dict:
+    """What a run would deliver on an inter-island link of `link_gbps`, before paying for it:
+    utilisation, bytes, wall time, and the link each utilisation goal needs (artifact `plan`).
+    Islands missing from `step_seconds` are profiled on the worker that runs this flow."""
+    from tasks.planning import publish_plan
+    from training.planner import measure_step_seconds
+
+    given = dict(step_seconds or {})
+    if any(island.name not in given for island in spec.islands):
+        measured, _ = measure_step_seconds(spec)
+        given = {**measured, **given}
+    return publish_plan(spec, given, link_gbps * 1e9, key="plan",
+                        description=f"Plan of {spec.name} on a {link_gbps:g} Gbit/s link")

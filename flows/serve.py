@@ -28,6 +28,7 @@ from tasks.segments import island_pool
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTROL_POOL = "archipelago"
 LIFECYCLE_DEPLOYMENT = "archipelago/lifecycle"
+PLAN_DEPLOYMENT = "plan/plan"
 
 
 def pools_of(spec: RunSpec) -> list[str]:
@@ -127,7 +128,7 @@ def capacity_schedules(spec: RunSpec, now: datetime) -> list:
 
 def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
     """Work pools and deployments for this spec's islands; returns {deployment name: id}."""
-    from flows.deployments import archipelago, segment
+    from flows.deployments import archipelago, plan, segment
 
     asyncio.run(_ensure_process_pools(pools_of(spec)))
     job_variables = {"working_dir": str(root), "env": {"PYTHONPATH": str(root)}}
@@ -137,6 +138,10 @@ def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
         schedules=capacity_schedules(spec, datetime.now(timezone.utc)),
         description="Start an Archipelago run: its parameters form is the run spec.", print_next_steps=False,
         ignore_warnings=True)}
+    ids[PLAN_DEPLOYMENT] = plan.from_source(str(root), "flows/deployments.py:plan").deploy(
+        name="plan", work_pool_name=CONTROL_POOL, job_variables=job_variables,
+        parameters={"spec": spec.model_dump(mode="json")}, print_next_steps=False, ignore_warnings=True,
+        description="Predict a run's utilisation, bytes and wall time on a link, without training it.")
     for island in spec.islands:
         pool = island_pool(island.name)
         ids[f"segment/{pool}"] = segment.from_source(str(root), "flows/deployments.py:segment").deploy(

@@ -16,6 +16,7 @@ from infra import layout
 from infra.spec import RunSpec
 from infra.store import run_store
 from tasks.faults import fail_once_if_asked
+from tasks.planning import UNLIMITED_BPS, measured_step_seconds, publish_plan
 from tasks.stage import stage
 from training.ledger import read_summaries
 from training.model import build_model
@@ -42,6 +43,13 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
                           build_model(spec).parameter_counts(), wall_seconds)
     report["faults"] = fault_report(spec, summaries, store.list("faults"))
     store.put_json(layout.REPORT, report)
+    inter_bytes_per_s = spec.sync.transport.bandwidth.inter_island
+    publish_plan(spec, measured_step_seconds(spec, summaries),
+                 inter_bytes_per_s * 8 if inter_bytes_per_s else UNLIMITED_BPS, key="plan-vs-measured",
+                 description=f"The planner's replay of this run at its learners' own step times, beside what it "
+                             f"measured ({run_id})",
+                 measured={"utilisation": report["utilisation"],
+                           "inter_island_bytes": report["communication"]["inter_island_bytes"]})
     table = evaluation_table(report)
     create_table_artifact(table.round(5).to_dict(orient="records"), key="bpb-table",
                           description=f"Bits per byte, islands vs standard training ({run_id})")

@@ -96,3 +96,24 @@ def test_plan_command_prints_and_writes_the_plan(tmp_path, capsys):
     assert written["islands"]["i0"]["step_seconds"] == 0.1 and written["islands"]["i1"]["step_seconds"] > 0
     assert main(["plan", str(config), "--step-seconds", "nowhere=1"]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_the_plan_flow_publishes_the_plan_as_an_artifact(prefect_api):
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from flows.deployments import plan
+
+    spec = spec_of(fragments=2, tau=1, compression="int4")
+    result = plan(spec, link_gbps=0.001, step_seconds={"i0": 0.1, "i1": 0.2})
+    assert result["exchange_bytes"]["inter"] > 0
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["plan"])))
+
+    artifacts = asyncio.run(read())
+    assert artifacts and "link for 95% utilisation" in artifacts[0].data
+    assert f"{result['exchange_bytes']['inter']:,} bytes" in artifacts[0].data

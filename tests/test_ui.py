@@ -121,7 +121,7 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
             tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[retried.id])))
             artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
                 any_=["bpb-table", "bpb-curve", "bpb-vs-tokens", "communication", "utilisation", "run-report",
-                      "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1"])))
+                      "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1", "plan-vs-measured"])))
             return deployment, done, segments, retried, tasks, artifacts
 
     deployment, done, segments, retried, tasks, artifacts = asyncio.run(scenario())
@@ -141,7 +141,8 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
         "start-run", "prepare-data", "segments-east", "segments-west", "consolidate", "train-standard-baseline"}
     by_key = {a.key: a for a in artifacts}
     assert set(by_key) == {"bpb-table", "bpb-curve", "bpb-vs-tokens", "communication", "utilisation", "run-report",
-                           "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1"}
+                           "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1", "plan-vs-measured"}
+    assert "| inter-island exchange bytes |" in by_key["plan-vs-measured"].data
     assert by_key["bpb-vs-tokens"].data.startswith("data:image/png;base64,")
     assert by_key["bpb-vs-tokens-png"].data.startswith("[bpb-vs-tokens.png in the run's store](file://")
     assert {a.data for k, a in by_key.items() if k.startswith("progress-")} == {100.0}
