@@ -62,6 +62,7 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
     def tensors(n: int) -> int:
         payload: dict[str, torch.Tensor] = {}
         for name in fields:
+            # As `Exchanger.publish` encodes them: anchors are never sparsified.
             payload.update({name: torch.zeros(n)} if codec.lossless else
                            codec.encode(name, torch.zeros(n), sparsify=name != "anchor"))
         return len(save_safetensors(payload))
@@ -71,16 +72,19 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
     else:  # too large to encode here: affine in the elements, up to a chunk's padding
         small, large = (tensors(n) for n in _FIT_SIZES)
         nbytes = round(small + (large - small) / (_FIT_SIZES[1] - _FIT_SIZES[0]) * (numel - _FIT_SIZES[0]))
-    key = f"{layout.message(learner, round_index, round_index % settings.fragments if settings.fragments > 1 else None)}"
+    fragment = fragment_of_round(round_index, settings.fragments)
+    key = layout.message(learner, round_index, fragment if settings.fragments > 1 else None)
     commit = {"tensors": ObjectRef(f"{key}.safetensors", "0" * 64, nbytes).to_json(), "learner": learner,
               "round": round_index, "tokens": spec.learners[learner].tokens_per_round(),
-              "fragment": fragment_of_round(round_index, settings.fragments),
+              "fragment": fragment,
               "anchor_from_initial": not codec.lossless}
     return nbytes + len(json_document(commit))
 
 
 @dataclass
 class LearnerPlan:
+    """One learner's replayed run: its seconds computing and blocked, when each round ended, its bytes."""
+
     learner: int
     island: str
     compute_s: float = 0.0
@@ -88,13 +92,6 @@ class LearnerPlan:
     round_ends: list[float] = field(default_factory=list)
     bytes_written: int = 0
     bytes_read: dict[str, int] = field(default_factory=lambda: {"inter": 0, "intra": 0})
-
-    @property
-    def steady_utilisation(self) -> float:
-        """Compute over wall from the end of the first round to the end of the last, as the bench measures."""
-        span = self.round_ends[-1] - self.round_ends[0]
-        rounds = len(self.round_ends)
-        return min(1.0, self.compute_s * (rounds - 1) / rounds / span) if span > 0 else 1.0
 
 
 def fragment_message_bytes(spec: RunSpec) -> list[int]:
@@ -154,6 +151,8 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
 
 
 def steady_utilisation(plans: list[LearnerPlan]) -> float:
+    """Compute over wall from the end of each learner's first round to the end of its last, as the
+    shaped-link bench measures it."""
     computing = sum(p.compute_s * (len(p.round_ends) - 1) / len(p.round_ends) for p in plans)
     return min(1.0, computing / sum(p.round_ends[-1] - p.round_ends[0] for p in plans))
 
