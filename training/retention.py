@@ -1,15 +1,15 @@
 """What a learner keeps in its store: its newest checkpoints, and the messages a peer may still read.
 
-Every round adds a message, and every `sync.checkpoint_every` rounds a checkpoint; kept for good
-they grow with the run, not with the model. After each checkpoint it commits, a learner retires
+Every round adds a message, and every `sync.checkpoint_every` rounds a checkpoint; kept for good,
+they would grow with every round the run lasts. After each checkpoint it commits, a learner retires
 
   * its checkpoints older than the newest `sync.keep_checkpoints` committed ones, except those of
     the rounds the bpb curve scores (the report reads them once training is over);
-  * its messages of rounds before every other learner's newest checkpoint, and before its own
-    oldest kept one. A restarted learner resumes from its newest checkpoint (or, if that one does
-    not verify, an older kept one) and reads only messages of that round and later; and a learner
-    that replays rounds from its own checkpoint sends their messages again, which write-once allows
-    only while the first copy is still there.
+  * its messages of rounds before its own oldest kept checkpoint, once every other learner has
+    checkpointed that round or a later one. A restarted learner resumes from its newest checkpoint
+    (or, if that one does not verify, an older kept one) and reads only messages of that round and
+    later; and a learner that replays rounds from its own checkpoint sends their messages again,
+    which write-once allows only while the first copy is still there.
 
 Only the learner that wrote an object retires it, so a learner needs write access to its own
 objects alone.
