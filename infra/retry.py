@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from infra.faults import InjectedServiceUnavailable
+from infra.store_errors import StoreError
 
 T = TypeVar("T")
 
@@ -49,8 +50,9 @@ _PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryE
 _JITTER = random.SystemRandom()
 
 
-class StoreUnavailable(RuntimeError):
-    """The store kept failing transiently until the retry policy ran out."""
+class StoreUnavailable(StoreError):
+    """The store kept failing transiently until the retry policy ran out: one of the ways a store
+    cannot serve a request, so whoever handles a `StoreError` handles an outage too."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from infra import layout
-from infra.retry import StoreUnavailable
 from infra.store import ObjectStore, StoreError
 
 
@@ -56,6 +55,11 @@ class Retention:
         try:
             store = self.store_of(peer)
             return store.is_committed(layout.checkpoint(peer, round_index)) or \
-                max(layout.checkpoint_rounds(store.list(layout.learner_prefix(peer))), default=-1) >= round_index
-        except (StoreError, StoreUnavailable):
+                max(checkpoint_rounds(store, peer), default=-1) >= round_index
+        except StoreError:
             return False
+
+
+def checkpoint_rounds(store: ObjectStore, learner: int) -> list[int]:
+    """The rounds of a learner's committed checkpoints still in its store."""
+    return layout.checkpoint_rounds(store.list(layout.learner_prefix(learner)))

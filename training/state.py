@@ -18,12 +18,11 @@ from datetime import datetime, timezone
 import torch
 
 from infra import layout
-from infra.retry import StoreUnavailable
 from infra.store import IntegrityError, ObjectMissing, ObjectStore, StoreError
 from training.events import emit
 from training.ledger import Ledger
-from training.retention import Retention
 from training.params import flat_parameters, load_flat_parameters
+from training.retention import Retention, checkpoint_rounds
 from training.sync import Exchange, Exchanger
 
 
@@ -113,7 +112,7 @@ class Lives:
         peer whose records are out of reach is waited for until the deadline, as if it had not."""
         try:
             return any(round_index in life["skipped_rounds"] for life in self.of(peer))
-        except (StoreError, StoreUnavailable):
+        except StoreError:
             return False
 
     def record(self, learner: int, life: int, start_round: int, resumed_from: dict | None) -> None:
@@ -138,10 +137,6 @@ class Lives:
         if key not in self._records:
             self._records[key] = self.store_of(learner).get_json(key)
         return self._records[key]
-
-
-def checkpoint_rounds(store: ObjectStore, learner: int) -> list[int]:
-    return layout.checkpoint_rounds(store.list(layout.learner_prefix(learner)))
 
 
 @dataclass

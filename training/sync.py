@@ -24,7 +24,6 @@ import torch
 
 from infra import layout
 from infra.spec import LearnerSlot, RunSpec
-from infra.retry import StoreUnavailable
 from infra.store import IntegrityError, ObjectExists, StoreError
 from infra.transport import MalformedMessage
 from training.compression import Codec, ErrorFeedback
@@ -257,7 +256,7 @@ class Exchanger:
             return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True)
         except MalformedMessage as err:
             return self._missed(peer, round_index, f"refused: {err}")
-        except (StoreError, StoreUnavailable) as err:  # the peer's store is out of reach: its site, or the link
+        except StoreError as err:  # the peer's store is out of reach: its site, or the link
             return self._missed(peer, round_index, f"unreachable: {err}")
         try:
             message = accept_message(payload, meta, expected, self.codec)
