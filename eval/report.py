@@ -52,14 +52,16 @@ def store_bytes(summaries: list[LearnerSummary]) -> dict:
     to it, summed over learners. With islands on stores of their own, what crosses between sites is
     what one island reads from another's store."""
     totals: dict[str, dict] = {}
+
+    def row(url: str) -> dict:
+        return totals.setdefault(url, {"messages_written": 0, "messages_read": 0, "checkpoints_written": 0})
+
     for s in summaries:
         for url, moved in s.stores.items():
-            row = totals.setdefault(url, {"messages_written": 0, "messages_read": 0, "checkpoints_written": 0})
-            row["messages_written"] += moved["written"]
-            row["messages_read"] += moved["read"]
+            row(url)["messages_written"] += moved["written"]
+            row(url)["messages_read"] += moved["read"]
         if s.store_url:
-            totals.setdefault(s.store_url, {"messages_written": 0, "messages_read": 0, "checkpoints_written": 0})
-            totals[s.store_url]["checkpoints_written"] += s.checkpoint_bytes
+            row(s.store_url)["checkpoints_written"] += s.checkpoint_bytes
     return totals
 
 

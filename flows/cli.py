@@ -156,7 +156,7 @@ def plan(args: argparse.Namespace) -> int:
     if spec is None:
         return 2
     from tasks.planning import plan_markdown
-    from training.planner import measure_step_seconds, plan_run
+    from training.planner import complete_step_seconds, plan_run
 
     given = {}
     for item in args.step_seconds:
@@ -171,16 +171,13 @@ def plan(args: argparse.Namespace) -> int:
         print(f"error: --step-seconds names island(s) {', '.join(sorted(unknown))} that the spec does not have",
               file=sys.stderr)
         return 2
-    startup_s = args.startup_s
-    if any(island.name not in given for island in spec.islands):
-        measured, ready_s = measure_step_seconds(spec)
-        startup_s = ready_s if startup_s is None else startup_s
-        for island in spec.islands:
-            if island.name not in given:
-                given[island.name] = measured[island.name]
-                print(f"island {island.name}: {given[island.name]:.4f} s per inner step, measured here with "
-                      f"all {len(spec.learners)} learners stepping at once")
-    result = plan_run(spec, given, args.link_gbps * 1e9, startup_s or 0.0)
+    step_seconds, ready_s = complete_step_seconds(spec, given)
+    for island in spec.islands:
+        if island.name not in given:
+            print(f"island {island.name}: {step_seconds[island.name]:.4f} s per inner step, measured here with "
+                  f"all {len(spec.learners)} learners stepping at once")
+    startup_s = args.startup_s if args.startup_s is not None else ready_s
+    result = plan_run(spec, step_seconds, args.link_gbps * 1e9, startup_s or 0.0)
     print(plan_markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -56,11 +56,8 @@ def plan(spec: RunSpec, link_gbps: float = 25.0, step_seconds: dict[str, float] 
     utilisation, bytes, wall time, and the link each utilisation goal needs (artifact `plan`).
     Islands missing from `step_seconds` are profiled on the worker that runs this flow."""
     from tasks.planning import publish_plan
-    from training.planner import measure_step_seconds
+    from training.planner import complete_step_seconds
 
-    given = dict(step_seconds or {})
-    if any(island.name not in given for island in spec.islands):
-        measured, _ = measure_step_seconds(spec)
-        given = {**measured, **given}
+    given, _ = complete_step_seconds(spec, step_seconds or {})
     return publish_plan(spec, given, link_gbps * 1e9, key="plan",
                         description=f"Plan of {spec.name} on a {link_gbps:g} Gbit/s link")

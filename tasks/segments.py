@@ -36,7 +36,7 @@ def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
     """Run the island's learners window by window until every one has trained all its rounds."""
     logger = get_run_logger()
     island_spec = next(i for i in spec.islands if i.name == island)
-    store = run_store(spec.store, run_id)
+    stores = RunStores(spec, run_store(spec.store, run_id))
     learners = [slot.index for slot in spec.learners if slot.island.name == island]
     segments = []
     for n, window in enumerate(island_spec.ordered_windows or [None]):
@@ -55,7 +55,7 @@ def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
             raise RuntimeError(f"island {island}: segment {flow_run.name} on work pool {flow_run.work_pool_name} "
                                f"ended {flow_run.state.name}: {flow_run.state.message}")
         segments.append({"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name})
-        if all(RunStores(spec, store).learner(i).exists(layout.learner_summary(i)) for i in learners):
+        if all(stores.learner(i).exists(layout.learner_summary(i)) for i in learners):
             logger.info("island %s finished in %d segment(s) on work pool %s", island, len(segments),
                         flow_run.work_pool_name)
             return {"island": island, "segments": segments}

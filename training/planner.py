@@ -94,18 +94,13 @@ class LearnerPlan:
     bytes_read: dict[str, int] = field(default_factory=lambda: {"inter": 0, "intra": 0})
 
 
-def fragment_message_bytes(spec: RunSpec) -> list[int]:
-    """The bytes of one message of each fragment."""
-    return [message_bytes(spec, n) for n in fragment_sizes(spec)]
-
-
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
            sizes_bytes: list[int] | None = None) -> list[LearnerPlan]:
     """Every learner's rounds on this link: when each computes, waits and finishes."""
     slots = spec.learners
     settings, mode = spec.sync.transport, SYNC_MODES[spec.sync.mode]
     links_of = [["intra" if p.island.name == s.island.name else "inter" for p in slots] for s in slots]
-    sizes_bytes = sizes_bytes or fragment_message_bytes(spec)
+    sizes_bytes = sizes_bytes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
     plans = [LearnerPlan(s.index, s.island.name) for s in slots]
     clock = [0.0] * len(slots)
     pending: list[float | None] = [None] * len(slots)  # when the previous round's exchange is complete
@@ -157,10 +152,12 @@ def steady_utilisation(plans: list[LearnerPlan]) -> float:
     return min(1.0, computing / sum(p.round_ends[-1] - p.round_ends[0] for p in plans))
 
 
-def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float) -> float | None:
+def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float,
+                  sizes: list[int] | None = None) -> float | None:
     """The slowest link (bit/s) at which the run keeps `goal` utilisation; None when even an
-    unlimited link does not (the islands wait on each other's compute)."""
-    sizes = fragment_message_bytes(spec)
+    unlimited link does not (the islands wait on each other's compute). `sizes`: each fragment's
+    message bytes, when the caller has them."""
+    sizes = sizes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
     if steady_utilisation(replay(spec, step_seconds, 1e18, sizes)) < goal:
         return None
     low, high = 1e3, 1e15
@@ -176,7 +173,9 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
     missing = sorted({s.island.name for s in spec.learners} - set(step_seconds))
     if missing:
         raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
-    plans = replay(spec, step_seconds, link_bps)
+    fragments = fragment_sizes(spec)
+    sizes = [message_bytes(spec, n) for n in fragments]
+    plans = replay(spec, step_seconds, link_bps, sizes)
     islands = {}
     for island in spec.islands:
         mine = [p for p in plans if p.island == island.name]
@@ -190,15 +189,24 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
     inter = sum(p.bytes_read["inter"] for p in plans)
     return {
         "link_bps": link_bps, "rounds": spec.sync.rounds, "learners": len(plans),
-        "parameters": sum(fragment_sizes(spec)), "fragment_sizes": fragment_sizes(spec),
+        "parameters": sum(fragments), "fragment_sizes": fragments,
         "islands": islands,
         "exchange_bytes": {"inter": inter, "intra": sum(p.bytes_read["intra"] for p in plans)},
         "blocked_s": sum(p.blocked_s for p in plans),
         "utilisation": steady_utilisation(plans),
         "wall_s": startup_s + max(p.round_ends[-1] for p in plans),
-        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal)
+        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes)
                                       for goal in UTILISATION_GOALS},
     }
+
+
+def complete_step_seconds(spec: RunSpec, given: dict[str, float]) -> tuple[dict[str, float], float | None]:
+    """`given` seconds per inner step, with every island it leaves out measured here; and the
+    seconds a learner takes to be ready to step, when anything was measured."""
+    if all(island.name in given for island in spec.islands):
+        return dict(given), None
+    measured, ready_s = measure_step_seconds(spec)
+    return {**measured, **given}, ready_s
 
 
 def measure_step_seconds(spec: RunSpec, steps: int = 6) -> tuple[dict[str, float], float]:
