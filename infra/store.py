@@ -277,11 +277,13 @@ class ObjectStore:
         return removed
 
     def wait_for(self, key: str, timeout_s: float, poll_s: float = 0.05,
-                 give_up: Callable[[], bool] = lambda: False) -> bool:
-        """Whether `key` exists within `timeout_s`; stop early once `give_up()` says it never will."""
+                 give_up: Callable[[], bool] = lambda: False, on_poll: Callable[[], None] = lambda: None) -> bool:
+        """Whether `key` exists within `timeout_s`; stop early once `give_up()` says it never will.
+        `on_poll` is told of every existence check, for the caller's request count."""
         deadline = time.monotonic() + timeout_s
         asked = -math.inf
         while True:
+            on_poll()
             if self._exists_by(key, deadline):
                 return True
             # `give_up` may itself read the store (a peer's liveness records): asked once a second at most.

@@ -10,8 +10,8 @@
   `ObjectStore.commit_tensors` layout.
 * A bandwidth budget per link class (bytes/s, unlimited by default) paces transfers chunk by
   chunk: a chunk of n bytes occupies the class's link for n / rate seconds.
-* Counters per link class: bytes written and read, messages, seconds spent transferring and
-  seconds held back by the budget. The clock and the sleep are injectable, for tests.
+* Counters per link class: bytes written and read, messages, store requests, seconds spent
+  transferring and seconds held back by the budget. The clock and the sleep are injectable, for tests.
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class LinkCounters:
     bytes_read: int = 0
     messages_written: int = 0
     messages_read: int = 0
+    # Store requests of the exchange: `requests` write or read a message's objects and commits (as many
+    # as its size and chunking fix, so the planner predicts them); `polls` ask whether a peer's commit
+    # is there yet (one when it already is; more the longer the reader waits on the peer).
+    requests: int = 0
+    polls: int = 0
     seconds_transferring: float = 0.0
     seconds_paced: float = 0.0
 
@@ -180,6 +185,7 @@ class Transport:
         self.counters[link].bytes_written += written
         self._count(self.store, "written", written)
         self.counters[link].messages_written += 1
+        self.counters[link].requests += len(refs) + 1
         return written
 
     def _put_chunk(self, base: str, data: bytes, link: str) -> ObjectRef:
@@ -203,14 +209,17 @@ class Transport:
         self.counters[link].bytes_read += nbytes
         self._count(source, "read", nbytes)
         self.counters[link].messages_read += 1
+        self.counters[link].requests += len(refs) + 1
         try:
             return load_safetensors(data), meta, nbytes
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
             raise MalformedMessage(f"message {key}: not a safetensors payload ({err})") from None
 
-    def wait_for_message(self, key: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
+    def wait_for_message(self, key: str, link: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
         """Whether a message's commit appeared within `timeout_s`; False at once when `give_up()` says so."""
-        return self._source(key).wait_for(f"{key}.json", timeout_s, give_up=give_up)
+        def polled() -> None:
+            self.counters[link].polls += 1
+        return self._source(key).wait_for(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled)
 
     def _source(self, key: str) -> ObjectStore:
         return self.store if self.read_from is None else self.read_from(layout.learner_of(key))

@@ -11,7 +11,7 @@ from infra.spec import parse_spec
 from infra.store import ObjectStore
 from infra.transport import Transport
 from training.compression import Codec
-from training.planner import bandwidth_for, fragment_sizes, message_bytes, plan_run, replay
+from training.planner import bandwidth_for, fragment_sizes, message_bytes, message_requests, plan_run, replay
 from training.sync import SYNC_MODES
 
 
@@ -44,6 +44,42 @@ def test_a_message_is_planned_at_the_bytes_the_transport_reads(tmp_path, mode, c
         transport.put_message(key, payload, meta, "inter")
         _, _, read = transport.get_message(key, "inter", 1 << 30)
         assert message_bytes(spec, numel, learner=1, round_index=fragment) == read
+
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 4096])
+def test_a_message_is_planned_at_the_requests_the_transport_makes(tmp_path, chunk_bytes):
+    raw = spec_of(compression="none").model_dump(mode="json")
+    raw["sync"]["transport"]["chunk_bytes"] = chunk_bytes
+    spec = parse_spec(raw)
+    transport = Transport(ObjectStore(str(tmp_path)), chunk_bytes=chunk_bytes)
+    numel = fragment_sizes(spec)[0]
+    key = "learners/001/round-00000/message"
+    transport.put_message(key, {n: torch.randn(numel) for n in SYNC_MODES["butterfly"].fields},
+                          {"learner": 1, "round": 0, "tokens": spec.learners[1].tokens_per_round(), "fragment": 0,
+                           "anchor_from_initial": False}, "inter")
+    assert transport.wait_for_message(key, "inter", 1.0, give_up=lambda: False)
+    transport.get_message(key, "inter", 1 << 30)
+    planned = message_requests(spec, message_bytes(spec, numel, learner=1))
+    assert planned == (2 if chunk_bytes > numel * 8 else -(-numel * 8 // chunk_bytes) + 1)
+    counters = transport.counters["inter"]
+    assert counters.requests == 2 * planned  # written once, read once
+    assert counters.polls == 1  # the commit was there at the first look
+
+
+def test_a_reader_that_waits_polls_more_than_once(tmp_path):
+    transport = Transport(ObjectStore(str(tmp_path)))
+    assert not transport.wait_for_message("learners/000/round-00000/message", "intra", 0.3, give_up=lambda: False)
+    assert transport.counters["intra"].polls > 1 and transport.counters["intra"].requests == 0
+
+
+def test_plans_count_a_message_s_requests_for_its_writer_and_each_reader():
+    spec = spec_of("allreduce", learners=2, rounds=3)
+    size = message_bytes(spec, fragment_sizes(spec)[0])
+    for plan in replay(spec, {"i0": 0.1, "i1": 0.2}, 1e9):
+        # 4 learners: each round a learner writes one message and reads the 3 others'.
+        assert plan.requests == 3 * (1 + 3) * message_requests(spec, size)
+        assert plan.polls == 3 * 3
 
 
 def test_fragments_cover_the_model_as_the_learners_split_it():

@@ -38,7 +38,7 @@ class FakeTransport:
         tensors, meta = self.messages[key]
         return dict(tensors), dict(meta), sum(v.numel() * v.element_size() for v in tensors.values())
 
-    def wait_for_message(self, key, timeout_s, give_up) -> bool:
+    def wait_for_message(self, key, link, timeout_s, give_up) -> bool:
         deadline = time.monotonic() + timeout_s
         while key not in self.messages and not give_up() and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -81,6 +81,12 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
     return nbytes + len(json_document(commit))
 
 
+def message_requests(spec: RunSpec, nbytes: int) -> int:
+    """Store requests to write or to read one message of `nbytes`: its parts (one object up to
+    `sync.transport.chunk_bytes`) and its commit."""
+    return math.ceil(nbytes / spec.sync.transport.chunk_bytes) + 1
+
+
 @dataclass
 class LearnerPlan:
     """One learner's replayed run: its seconds computing and blocked, when each round ended, its bytes."""
@@ -92,6 +98,8 @@ class LearnerPlan:
     round_ends: list[float] = field(default_factory=list)
     bytes_written: int = 0
     bytes_read: dict[str, int] = field(default_factory=lambda: {"inter": 0, "intra": 0})
+    requests: int = 0  # PUTs and GETs of messages and their commits, as `infra.transport` counts them
+    polls: int = 0  # existence checks of peers' commits, one per message read: a reader that waits makes more
 
 
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
@@ -132,8 +140,11 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             else:
                 ready[me] = start
             plans[me].bytes_read[links_of[me][peer]] += nbytes
+            plans[me].requests += message_requests(spec, nbytes)
+            plans[me].polls += 1
         for s, plan in zip(slots, plans):
             plan.bytes_written += nbytes
+            plan.requests += message_requests(spec, nbytes)
             if settings.tau == 0 or t == spec.sync.rounds - 1:
                 wait = max(0.0, ready[s.index] - clock[s.index])
                 clock[s.index] += wait

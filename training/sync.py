@@ -246,11 +246,13 @@ class Exchanger:
         one, `sync.partner_timeout_s`) unless the peer's restart skipped the round."""
         key = self._message_key(peer, round_index)
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
+        link = self.links[peer]
         try:
-            if not self.transport.wait_for_message(key, timeout, give_up=lambda: self.skipped(peer, round_index)):
+            if not self.transport.wait_for_message(key, link, timeout,
+                                                   give_up=lambda: self.skipped(peer, round_index)):
                 return self._missed(peer, round_index, "skipped by the peer's restart"
                                     if self.skipped(peer, round_index) else "deadline")
-            link, expected = self.links[peer], self._expected(peer, round_index)
+            expected = self._expected(peer, round_index)
             payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes)
         except IntegrityError as err:
             return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True)
