@@ -1,0 +1,98 @@
+"""A short profiling run: the run's own learners, for a few rounds, on this machine with nothing on a link.
+
+`training.planner.measure_step_seconds` times inner steps alone. A learner's round also spends time
+outside them: the exchange's local work (encoding, checksums, the store's requests, the outer step),
+its checkpoint, the background work that competes with its compute for cores; and the run spends
+time before the first inner step (imports, the spec, its shard) and after the last round (final
+checkpoint, summary, exit). Those do not depend on the link, so they are measured here, once, with
+every learner of the spec started as the lifecycle starts it (`infra.launch`), all at once, against
+a store at local speed; the planner then adds what the link costs (`plan_run(..., profile=...)`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+from infra import layout
+from infra.launch import LearnerProcess, run_learner, threads_per_process
+from infra.spec import RunSpec, parse_spec
+from infra.store import run_store
+from training.ledger import read_summaries
+
+PROFILE_ROUNDS = 3  # the first round's end starts the clock; two more give each learner two round lengths
+
+
+@dataclass(frozen=True)
+class RunProfile:
+    step_seconds: dict[str, float]  # per island: an inner step, with the run's background work going on
+    round_overhead_s: dict[str, float]  # per island: a round's seconds besides its inner steps, on no link
+    startup_s: float  # launch to the first inner step, slowest learner
+    teardown_s: float  # the last round's end to the process's exit, slowest learner
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_ROUNDS) -> RunProfile:
+    """Run the spec's learners for `rounds` rounds against `store` (a run-spec `store` section; by
+    default a fresh local folder) and time them. Capacity windows and bandwidth limits are dropped:
+    the profile is of the islands, not of their reservations or their link."""
+    from training.data import prepare_dataset
+
+    with tempfile.TemporaryDirectory(prefix="archipelago-profile-") as folder:
+        raw = spec.model_dump(mode="json")
+        raw["store"] = store or {"url": folder}
+        raw["sync"]["rounds"] = rounds
+        raw["sync"]["transport"]["bandwidth"] = {}
+        for island in raw["islands"]:
+            island["windows"] = []
+            island.pop("store", None)
+        profiled = parse_spec(raw)
+        run_id = f"profile-{time.strftime('%Y%m%d-%H%M%S')}"
+        run = run_store(profiled.store, run_id)
+        run.put_json(layout.SPEC, profiled.model_dump(mode="json"))
+        prepare_dataset(profiled, run)
+        round_times: dict[int, list[float]] = {slot.index: [] for slot in profiled.learners}
+        exits: dict[int, float] = {}
+        threads = threads_per_process(profiled)
+        launched = time.monotonic()
+
+        def learner(slot) -> None:
+            def on_line(line: str) -> None:
+                with contextlib.suppress(ValueError):
+                    if json.loads(line).get("event") == "round":
+                        round_times[slot.index].append(time.monotonic() - launched)
+            run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
+                        profiled.store.url, profiled.store.endpoint_url, run_id, on_line,
+                        profiled.store.credentials_env)
+            exits[slot.index] = time.monotonic() - launched
+
+        with ThreadPoolExecutor(len(profiled.learners)) as pool:
+            for done in [pool.submit(learner, slot) for slot in profiled.learners]:
+                done.result()
+        summaries = read_summaries(profiled, run)
+    return summarise(profiled, summaries, round_times, exits)
+
+
+def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exits: dict[int, float]) -> RunProfile:
+    """The profile from each learner's summary (compute per round) and when its rounds ended."""
+    steps: dict[str, list[float]] = {}
+    overheads: dict[str, list[float]] = {}
+    startups, teardowns = [], []
+    for summary in summaries:
+        island = spec.learners[summary.learner].island
+        ends, compute = round_times[summary.learner], [r["compute_s"] for r in summary.rounds]
+        steps.setdefault(island.name, []).extend(c / island.inner_steps for c in compute[1:])
+        overhead = [later - earlier - c for earlier, later, c in zip(ends, ends[1:], compute[1:])]
+        overheads.setdefault(island.name, []).extend(overhead)
+        startups.append(ends[0] - compute[0] - statistics.median(overhead))
+        teardowns.append(exits[summary.learner] - ends[-1])
+    return RunProfile({name: statistics.median(v) for name, v in steps.items()},
+                      {name: max(0.0, statistics.median(v)) for name, v in overheads.items()},
+                      max(startups), max(teardowns))
