@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-import fsspec
+import s3fs
+from fsspec.asyn import sync_wrapper
 
 from infra.retry import RetryPolicy
 from infra.store_errors import StoreError
@@ -68,6 +69,25 @@ def credentials_from_env(prefix: str) -> dict[str, str]:
     return found
 
 
+class ObjectS3FileSystem(s3fs.S3FileSystem):
+    """s3fs, asked only about objects: whether a key exists is one HEAD. s3fs follows a HEAD that
+    finds nothing with a LIST, to tell whether the key names a folder; the store's keys never name
+    folders, and a reader waiting for a peer's commit would pay two requests per look, over the
+    wide-area link when the peer's store is on another island."""
+
+    async def _exists(self, path):
+        bucket, key, _ = self.split_path(path)
+        if not key:
+            return await super()._exists(path)
+        try:
+            await self._call_s3("head_object", self.kwargs, Bucket=bucket, Key=key)
+            return True
+        except FileNotFoundError:
+            return False
+
+    exists = sync_wrapper(_exists)
+
+
 def s3_filesystem(endpoint_url: str | None, retry: RetryPolicy, credentials_env: str | None = None):
     """An s3fs filesystem that makes one attempt per call: `retry` (infra/retry.py) is the only
     retry loop, so its budget bounds a call instead of botocore's and s3fs's retries under it.
@@ -85,7 +105,7 @@ def s3_filesystem(endpoint_url: str | None, retry: RetryPolicy, credentials_env:
         endpoint = endpoint_url or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint:
         options["endpoint_url"] = endpoint
-    fs = fsspec.filesystem("s3", **options)
+    fs = ObjectS3FileSystem(**options)
     # A class attribute in s3fs, not a constructor option; these options are ours alone, so
     # setting it on the shared instance changes no other user of s3fs.
     fs.retries = 1

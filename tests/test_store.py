@@ -52,3 +52,16 @@ def test_s3_store_without_credentials_is_refused(monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(StoreError, match="needs AWS credentials and found none.*AWS_PROFILE"):
         ObjectStore("s3://archipelago/x")
+
+
+def test_an_existence_check_on_s3_is_one_head_request(s3_env, tmp_path):
+    store = ObjectStore(f"s3://archipelago/test_store/{tmp_path.name}")
+    store.put_bytes("round-0/message.json", b"{}")
+    calls: list[str] = []
+    store.fs.s3.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+    assert store.exists("round-0/message.json")
+    # A key that is not there yet (a peer's commit a reader waits for) and a key that only prefixes
+    # others: neither is an object, and asking costs one HEAD, never a LIST besides it.
+    assert not store.exists("round-1/message.json")
+    assert not store.exists("round-0")
+    assert calls == ["HeadObject"] * 3
