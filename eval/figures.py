@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import base64
 import io
+from datetime import datetime, timedelta
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
+import matplotlib.dates as mdates  # noqa: E402 - the backend must be chosen first
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from training.ledger import LearnerSummary  # noqa: E402
+from training.plan_windows import rounds_text  # noqa: E402
 
 ARM_COLOURS = {"islands": "tab:blue", "standard": "tab:orange"}
 
@@ -19,6 +24,11 @@ def _png(fig) -> bytes:
     fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)
     return buffer.getvalue()
+
+
+def data_url(png: bytes) -> str:
+    """The PNG inline, for an image artifact: the UI shows it wherever the PNG's store is."""
+    return f"data:image/png;base64,{base64.b64encode(png).decode()}"
 
 
 def bpb_versus_tokens(points: list[dict], eval_bytes: int) -> bytes:
@@ -66,4 +76,37 @@ def utilisation(summaries: list[LearnerSummary]) -> bytes:
         ax.text(c + s, y, f" {c / (c + s):.0%}" if c + s else "", va="center")
     ax.set(xlabel="seconds", title="Utilisation: time computing vs synchronising, per learner")
     ax.legend(loc="lower right")
+    return _png(fig)
+
+
+def windows_timeline(windows: dict) -> bytes:
+    """A windows plan (`training.plan_windows.windows_plan`): one row per island, its capacity windows
+    as bars with the rounds planned in each, and hatched where its learners wait on another island."""
+    origin = datetime.fromisoformat(windows["origin"])
+    islands = list(dict.fromkeys(row["island"] for row in windows["rows"]))
+    fig, ax = plt.subplots(figsize=(10, 0.7 * len(islands) + 1.8))
+    for y, island in enumerate(islands):
+        for row in (r for r in windows["rows"] if r["island"] == island):
+            start, end = (mdates.date2num(datetime.fromisoformat(row[k])) for k in ("start", "end"))
+            ax.broken_barh([(start, end - start)], (y - 0.3, 0.6),
+                           color="tab:blue" if row["window"] is not None else "tab:cyan")
+            ax.broken_barh([(mdates.date2num(origin + timedelta(seconds=a)), (b - a) / 86400) for a, b in row["waits"]],
+                           (y - 0.3, 0.6), facecolor="none", edgecolor="tab:red", hatch="///", linewidth=0)
+            rounds = rounds_text(row["rounds"])
+            ax.text((start + end) / 2, y, f"{rounds} round{'' if rounds == '1' else 's'}", ha="center", va="center",
+                    fontsize=8, color="white", fontweight="bold")
+    ax.set_yticks(range(len(islands)), islands)
+    ax.set_ylim(len(islands) - 0.5, -0.5)
+    locator = mdates.AutoDateLocator()
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+    ax.set(xlabel="time (UTC)", title="Planned rounds per capacity window, and waits on other islands")
+    shown = {"window": any(r["window"] is not None for r in windows["rows"]),
+             "always": any(r["window"] is None for r in windows["rows"]),
+             "waits": any(r["waits"] for r in windows["rows"])}
+    handles = {"window": Patch(color="tab:blue", label="capacity window (rounds planned in it)"),
+               "always": Patch(color="tab:cyan", label="island without windows: start to its last round"),
+               "waits": Patch(facecolor="none", edgecolor="tab:red", hatch="///", label="waiting on another island")}
+    ax.legend(handles=[handles[k] for k, present in shown.items() if present],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8, frameon=False)
     return _png(fig)

@@ -155,7 +155,8 @@ def plan(args: argparse.Namespace) -> int:
     spec = load_spec_or_say_why(args.config)
     if spec is None:
         return 2
-    from tasks.planning import plan_markdown
+    from tasks.planning import plan_markdown, windows_markdown
+    from training.plan_windows import WindowsTooShort
     from training.planner import complete_step_seconds, plan_run
 
     given = {}
@@ -171,14 +172,28 @@ def plan(args: argparse.Namespace) -> int:
         print(f"error: --step-seconds names island(s) {', '.join(sorted(unknown))} that the spec does not have",
               file=sys.stderr)
         return 2
+    if args.figure and not any(island.windows for island in spec.islands):
+        print("error: --figure draws capacity windows, and no island has any (islands[].windows)", file=sys.stderr)
+        return 2
     step_seconds, ready_s = complete_step_seconds(spec, given)
     for island in spec.islands:
         if island.name not in given:
             print(f"island {island.name}: {step_seconds[island.name]:.4f} s per inner step, measured here with "
                   f"all {len(spec.learners)} learners stepping at once")
     startup_s = args.startup_s if args.startup_s is not None else ready_s
-    result = plan_run(spec, step_seconds, args.link_gbps * 1e9, startup_s or 0.0)
+    try:
+        result = plan_run(spec, step_seconds, args.link_gbps * 1e9, startup_s or 0.0)
+    except WindowsTooShort as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(plan_markdown(result))
+    if result["windows"]:
+        print("\n" + windows_markdown(result["windows"]))
+    if args.figure:
+        from eval.figures import windows_timeline
+
+        Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.figure).write_bytes(windows_timeline(result["windows"]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
@@ -223,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--startup-s", type=float, default=None,
                              help="seconds before the first inner step (measured with the step times when not given)")
     plan_parser.add_argument("--json", help="write the plan as JSON here")
+    plan_parser.add_argument("--figure", metavar="PATH",
+                             help="write the timeline of the islands' capacity windows here (PNG)")
     plan_parser.set_defaults(handler=plan)
     serve_parser = commands.add_parser(
         "serve", help="start a Prefect server, one worker per island's work pool, and the deployments")

@@ -53,8 +53,9 @@ def archipelago(spec: RunSpec, run_id: str | None = None) -> dict:
 @flow(name="plan", persist_result=False, result_serializer=RESULT_SERIALIZER)
 def plan(spec: RunSpec, link_gbps: float = 25.0, step_seconds: dict[str, float] | None = None) -> dict:
     """What a run would deliver on an inter-island link of `link_gbps`, before paying for it:
-    utilisation, bytes, wall time, and the link each utilisation goal needs (artifact `plan`).
-    Islands missing from `step_seconds` are profiled on the worker that runs this flow."""
+    utilisation, bytes, wall time, and the link each utilisation goal needs (artifact `plan`); with
+    capacity windows, the rounds each window holds and the waits on other islands (`plan-windows`,
+    `plan-timeline`). Islands missing from `step_seconds` are profiled on the worker that runs this flow."""
     from tasks.planning import publish_plan
     from training.planner import complete_step_seconds
 

@@ -23,7 +23,10 @@ from zoneinfo import ZoneInfo
 from dateutil.rrule import DAILY, rrule
 
 from infra.spec import RunSpec
+from infra.windows import CapacityWindow
+from tasks.planning import windows_table
 from tasks.segments import island_pool
+from training.plan_windows import window_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTROL_POOL = "archipelago"
@@ -111,6 +114,13 @@ async def _ensure_process_pools(names: list[str]) -> None:
                     description="Archipelago control plane" if name == CONTROL_POOL else f"Island {name[7:]}"))
 
 
+def _first_window(spec: RunSpec, now: datetime) -> tuple[str, int, CapacityWindow] | None:
+    """The island, number and window that start first after `now`, if any."""
+    ahead = [(island.name, n, w) for island in spec.islands for n, w in enumerate(island.ordered_windows)
+             if w.start_at > now]
+    return min(ahead, key=lambda item: item[2].start_at) if ahead else None
+
+
 def capacity_schedules(spec: RunSpec, now: datetime) -> list:
     """The lifecycle's schedule when islands have capacity windows: once, at the earliest window's start.
 
@@ -118,12 +128,28 @@ def capacity_schedules(spec: RunSpec, now: datetime) -> list:
     """
     from prefect.schedules import RRule
 
-    starts = [w for island in spec.islands for w in island.windows if w.start_at > now]
-    if not starts:
+    first = _first_window(spec, now)
+    if first is None:
         return []
-    first = min(starts, key=lambda w: w.start_at)
-    local_start = first.start_at.astimezone(ZoneInfo(first.timezone)).replace(tzinfo=None)
-    return [RRule(str(rrule(DAILY, count=1, dtstart=local_start)), timezone=first.timezone)]
+    window = first[2]
+    local_start = window.start_at.astimezone(ZoneInfo(window.timezone)).replace(tzinfo=None)
+    return [RRule(str(rrule(DAILY, count=1, dtstart=local_start)), timezone=window.timezone)]
+
+
+def lifecycle_description(spec: RunSpec, now: datetime) -> str:
+    """The `lifecycle` deployment's description: with capacity windows, when its schedule starts the
+    run and which island trains when, which its RRule alone does not say."""
+    description = "Start an Archipelago run: its parameters form is the run spec."
+    if not any(island.windows for island in spec.islands):
+        return description
+    first = _first_window(spec, now)
+    when = ("No window starts after this deployment was made, so no run is scheduled: start one with Run."
+            if first is None else
+            f"Scheduled once, at the start of island {first[0]}'s window {first[1]}: "
+            f"{first[2].local(first[2].start_at):%Y-%m-%d %H:%M:%S} {first[2].timezone}.")
+    return (f"{description}\n\n{when} Each island trains only inside its capacity windows, resuming in its next "
+            f"one; its segments are flow runs `<run id>-<island>-window-<window>` on work pool `island-<island>`:"
+            f"\n\n{windows_table(window_rows(spec))}")
 
 
 def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
@@ -131,17 +157,18 @@ def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
     from flows.deployments import archipelago, plan, segment
 
     asyncio.run(_ensure_process_pools(pools_of(spec)))
+    now = datetime.now(timezone.utc)
     job_variables = {"working_dir": str(root), "env": {"PYTHONPATH": str(root)}}
     ids = {LIFECYCLE_DEPLOYMENT: archipelago.from_source(str(root), "flows/deployments.py:archipelago").deploy(
         name="lifecycle", work_pool_name=CONTROL_POOL, job_variables=job_variables,
         parameters={"spec": spec.model_dump(mode="json")},
-        schedules=capacity_schedules(spec, datetime.now(timezone.utc)),
-        description="Start an Archipelago run: its parameters form is the run spec.", print_next_steps=False,
-        ignore_warnings=True)}
+        schedules=capacity_schedules(spec, now), description=lifecycle_description(spec, now),
+        print_next_steps=False, ignore_warnings=True)}
     ids[PLAN_DEPLOYMENT] = plan.from_source(str(root), "flows/deployments.py:plan").deploy(
         name="plan", work_pool_name=CONTROL_POOL, job_variables=job_variables,
         parameters={"spec": spec.model_dump(mode="json")}, print_next_steps=False, ignore_warnings=True,
-        description="Predict a run's utilisation, bytes and wall time on a link, without training it.")
+        description="Predict a run's utilisation, bytes and wall time on a link, without training it; with "
+                    "capacity windows, the rounds each window holds and where an island waits on another.")
     for island in spec.islands:
         pool = island_pool(island.name)
         ids[f"segment/{pool}"] = segment.from_source(str(root), "flows/deployments.py:segment").deploy(

@@ -38,5 +38,16 @@ class CapacityWindow(SpecModel):
     def end_at(self) -> datetime:
         return self._aware(self.end)
 
+    def local(self, moment: datetime) -> datetime:
+        """`moment` on the wall clock of the window's timezone, as the person who reserved it reads it."""
+        return moment.astimezone(ZoneInfo(self.timezone))
+
     def describe(self) -> str:
         return f"{self.start_at.isoformat()} to {self.end_at.isoformat()} ({self.timezone})"
+
+
+def round_fits(seconds_left: float, last_round_s: float) -> bool:
+    """Whether a learner starts another round before its window ends: only if a round as long as its
+    last one would end in time. A life's first round (`last_round_s` 0) starts whenever the window is
+    still open. The learner stops by this rule, and the planner's replay predicts with it."""
+    return last_round_s < seconds_left

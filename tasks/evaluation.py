@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-
 from prefect import get_run_logger
 from prefect.artifacts import (create_image_artifact, create_link_artifact, create_markdown_artifact,
                                create_table_artifact)
@@ -86,7 +84,7 @@ def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list
     for name, (png, description) in pngs.items():
         store.put_bytes(layout.figure(name), png)
         addresses[name] = store.address(layout.figure(name))
-        create_image_artifact(f"data:image/png;base64,{base64.b64encode(png).decode()}", key=name,
+        create_image_artifact(figures.data_url(png), key=name,
                               description=f"{description} ({run_id})")
         create_link_artifact(addresses[name], link_text=f"{name}.png in the run's store", key=f"{name}-png",
                              description=f"{description}: the PNG file ({run_id})")

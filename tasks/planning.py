@@ -3,10 +3,15 @@ finished run set beside what it measured."""
 
 from __future__ import annotations
 
-from prefect.artifacts import create_markdown_artifact
+from datetime import datetime
 
+from prefect import get_run_logger
+from prefect.artifacts import create_image_artifact, create_markdown_artifact
+
+from eval.figures import data_url, windows_timeline
 from infra.spec import RunSpec
 from training.ledger import LearnerSummary
+from training.plan_windows import WindowsTooShort, rounds_text, without_windows
 from training.planner import plan_run
 
 UNLIMITED_BPS = 1e18
@@ -37,10 +42,58 @@ def plan_markdown(result: dict, measured: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+def windows_table(rows: list[dict]) -> str:
+    """Capacity windows by island as a Markdown table (`training.plan_windows.window_rows`), with the
+    rounds planned and the waits when the rows come from a plan."""
+    planned = "rounds" in rows[0]
+    head = ["island", "window", "start", "end", "timezone"] + \
+        (["rounds planned", "s waiting on another island"] if planned else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["island"], "always available" if row["window"] is None else str(row["window"]),
+                 _wall_clock(row["start"]), _wall_clock(row["end"]), row["timezone"] or "-"]
+        if planned:
+            cells += [rounds_text(row["rounds"]), f"{row['wait_s']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _wall_clock(moment: str | None) -> str:
+    return "-" if moment is None else datetime.fromisoformat(moment).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def windows_markdown(windows: dict) -> str:
+    """A windows plan (`training.plan_windows.windows_plan`) as Markdown: the table, and what the
+    learners do instead of a wait longer than they wait for a partner."""
+    lines = ["**Capacity windows: the rounds planned in each, and the mean seconds each island's learners "
+             "wait there on another island (its compute, its windows, or the link)**", "",
+             windows_table(windows["rows"])]
+    longest = max(row["longest_wait_s"] for row in windows["rows"])
+    if longest > windows["partner_timeout_s"]:
+        lines += ["", f"The longest wait, {longest:.0f} s, is longer than `sync.partner_timeout_s` "
+                      f"({windows['partner_timeout_s']:g} s): the learners will not wait that long, but miss "
+                      "those exchanges and go on."]
+    return "\n".join(lines)
+
+
 def publish_plan(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, key: str, description: str,
                  measured: dict | None = None) -> dict:
-    result = plan_run(spec, step_seconds, link_bps)
+    """The plan as artifact `key`, and with capacity windows `key`-windows (table) and `key`-timeline
+    (figure). With `measured`, the run is over: a plan whose windows cannot hold it at the measured
+    step times is published without them rather than failing the run's report."""
+    try:
+        result = plan_run(spec, step_seconds, link_bps)
+    except WindowsTooShort as err:
+        if measured is None:
+            raise
+        get_run_logger().warning("planned without capacity windows: %s", err)
+        result = plan_run(without_windows(spec), step_seconds, link_bps)
     create_markdown_artifact(plan_markdown(result, measured), key=key, description=description)
+    if result["windows"]:
+        create_markdown_artifact(windows_markdown(result["windows"]), key=f"{key}-windows",
+                                 description=f"{description}: rounds and waits per capacity window")
+        create_image_artifact(data_url(windows_timeline(result["windows"])), key=f"{key}-timeline",
+                              description=f"{description}: timeline of the capacity windows")
     return result
 
 

@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
 from infra.stores import RunStores
 from infra.transport import Transport
+from infra.windows import round_fits
 from training.streams import WindowSampler, read_stream
 from training.events import emit
 from training.faults import LearnerFaults
@@ -245,7 +246,7 @@ class Learner:
 
     def _round_fits(self, until: datetime, clock: Callable[[], datetime], round_seconds: float) -> bool:
         """Whether one more round (as long as the last one) ends before `until`; rank 0 decides for its group."""
-        fits = self.rank == 0 and clock() + timedelta(seconds=round_seconds) < until
+        fits = self.rank == 0 and round_fits((until - clock()).total_seconds(), round_seconds)
         return bool(self._from_rank0((int(fits),))[0])
 
     def _window_cut_short(self, round_index: int) -> bool:

@@ -30,6 +30,7 @@ from infra.store import ObjectRef, json_document
 from training.compression import Codec
 from training.fragments import assign_fragments, fragment_of_round
 from training.model import build_model
+from training.plan_windows import Stretch, WindowedClock, windows_plan
 from training.sync import SYNC_MODES
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
@@ -100,22 +101,27 @@ class LearnerPlan:
     bytes_read: dict[str, int] = field(default_factory=lambda: {"inter": 0, "intra": 0})
     requests: int = 0  # PUTs and GETs of messages and their commits, as `infra.transport` counts them
     polls: int = 0  # existence checks of peers' commits, one per message read: a reader that waits makes more
+    paused_s: float = 0.0  # between its island's capacity windows after its first round: no capacity to use
+    windows: list[Stretch] = field(default_factory=list)  # its rounds and waits in each of its island's windows
 
 
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
            sizes_bytes: list[int] | None = None) -> list[LearnerPlan]:
-    """Every learner's rounds on this link: when each computes, waits and finishes."""
+    """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
+    windows, each computes only inside its island's (`training.plan_windows`)."""
     slots = spec.learners
     settings, mode = spec.sync.transport, SYNC_MODES[spec.sync.mode]
     links_of = [["intra" if p.island.name == s.island.name else "inter" for p in slots] for s in slots]
     sizes_bytes = sizes_bytes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
     plans = [LearnerPlan(s.index, s.island.name) for s in slots]
+    windows = [WindowedClock(spec, plan) for plan in plans]
     clock = [0.0] * len(slots)
     pending: list[float | None] = [None] * len(slots)  # when the previous round's exchange is complete
     busy_until: dict[tuple[str, str], float] = {}  # the link, each direction
     for t in range(spec.sync.rounds):
         sent = []
         for s, plan in zip(slots, plans):
+            clock[s.index] = windows[s.index].begin_round(clock[s.index])
             steps, per_step = s.island.inner_steps, step_seconds[s.island.name]
             compute = steps * per_step
             blocked = max(0.0, pending[s.index] - (clock[s.index] + min(settings.tau, steps) * per_step)) \
@@ -153,14 +159,15 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             else:
                 pending[s.index] = ready[s.index]
             plan.round_ends.append(clock[s.index])
+            windows[s.index].end_round()
     return plans
 
 
 def steady_utilisation(plans: list[LearnerPlan]) -> float:
     """Compute over wall from the end of each learner's first round to the end of its last, as the
-    shaped-link bench measures it."""
+    shaped-link bench measures it; time between capacity windows is not wall a learner is rented for."""
     computing = sum(p.compute_s * (len(p.round_ends) - 1) / len(p.round_ends) for p in plans)
-    return min(1.0, computing / sum(p.round_ends[-1] - p.round_ends[0] for p in plans))
+    return min(1.0, computing / sum(p.round_ends[-1] - p.round_ends[0] - p.paused_s for p in plans))
 
 
 def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float,
@@ -206,6 +213,7 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
         "blocked_s": sum(p.blocked_s for p in plans),
         "utilisation": steady_utilisation(plans),
         "wall_s": startup_s + max(p.round_ends[-1] for p in plans),
+        "windows": windows_plan(spec, plans),
         "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes)
                                       for goal in UTILISATION_GOALS},
     }
