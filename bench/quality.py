@@ -39,11 +39,13 @@ import torch
 from bench.islands import Log, train_islands
 from eval.bootstrap import paired_bootstrap
 from eval.evaluate import score_model
+from eval.report import communication
 from infra import layout
 from infra.spec import RunSpec, parse_spec
 from infra.store import run_store
-from training.baseline import train_baseline
+from training.baseline import BaselinePlan, train_baseline
 from training.data import prepare_dataset
+from training.ledger import read_summaries
 from training.model import build_model
 
 RESULTS = Path("bench/results/quality")
@@ -230,6 +232,11 @@ def run_arm(arm: Arm, log: Log) -> dict:
         key = layout.BASELINE
     else:
         extra["consensus"] = train_islands(spec, run_id, log)
+        # The learners' own byte counters, against a per-step fp32 all-reduce over the same learners.
+        counted = communication(spec, read_summaries(spec, store), build_model(spec).parameter_counts()["total"],
+                                BaselinePlan.of(spec).steps)
+        extra["communication"] = {k: counted[k] for k in ("inter_island_bytes", "intra_island_bytes",
+                                                          "allreduce_equivalent_bytes", "inter_island_reduction")}
         key = layout.CONSOLIDATED
     train_seconds = time.monotonic() - started
     scores = score_model(spec, store, key, ("heldout", "validation"))
@@ -403,15 +410,15 @@ README_BEGIN = "<!-- quality-table: written by `python -m bench.quality --table`
 README_END = "<!-- /quality-table -->"
 
 
-def splice_into_readme(markdown: str, readme: Path = README) -> None:
-    """Put the table (less its title, its headings under the README's quality section) between the
-    README's markers, so the README's figures are the result files' own."""
+def splice_into_readme(markdown: str, readme: Path = README, begin: str = README_BEGIN, end: str = README_END) -> None:
+    """Put the table (less its title, its headings under the README's section) between the README's
+    markers `begin` and `end`, so the README's figures are the result files' own."""
     text = readme.read_text()
-    if README_BEGIN not in text or README_END not in text:
+    if begin not in text or end not in text:
         return
     body = "\n".join(f"#### {line[3:]}" if line.startswith("## ") else line for line in markdown.splitlines()[1:])
-    head, rest = text.split(README_BEGIN, 1)
-    readme.write_text(f"{head}{README_BEGIN}\n{body.strip()}\n{README_END}{rest.split(README_END, 1)[1]}")
+    head, rest = text.split(begin, 1)
+    readme.write_text(f"{head}{begin}\n{body.strip()}\n{end}{rest.split(end, 1)[1]}")
 
 
 def write_tables(log: Log | None = None) -> None:

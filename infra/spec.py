@@ -209,6 +209,13 @@ class SyncSpec(SpecModel):
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the inner schedule.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
+    inter_island_every: int = Field(
+        1, ge=1, le=MAX_STEPS,
+        description="Butterfly only: pairs on different islands exchange only in every this-many-th cycle of "
+                    "stages (a cycle: one exchange of a fragment per stage); in the other cycles such a pair sits "
+                    "the stage out (each takes its outer step alone) while pairs within an island exchange as "
+                    "usual. Rounds can then be short for the islands' own fast links while the slow link is "
+                    "crossed this many times less often. 1: every stage every cycle.")
     partner_timeout_s: float = Field(600, gt=0, le=MAX_WAIT_S,
                                      description="How long a learner waits for a partner's message.")
     partner_wait_rounds: float | None = Field(
@@ -227,6 +234,14 @@ class SyncSpec(SpecModel):
         description="Newest committed checkpoints each learner keeps (besides the bpb curve's rounds); older ones "
                     "are retired, and so is a message once every learner that could read it has committed a "
                     "checkpoint of a later round. Empty: keep everything.")
+
+
+    @model_validator(mode="after")
+    def _stages_need_butterfly(self) -> "SyncSpec":
+        if self.inter_island_every > 1 and self.mode != "butterfly":
+            raise ValueError(f"inter_island_every: {self.inter_island_every} needs mode butterfly "
+                             f"(mode {self.mode} has no stages to skip)")
+        return self
 
 
 class BaselineSpec(SpecModel):

@@ -7,7 +7,10 @@ exact mean. When N is not a power of two, the partner index can fall outside [0,
 learner sits the stage out (it keeps its own state for the round), as if its partner were a
 missing learner. Information still reaches every learner: the lower half of the hypercube
 relays it in the next cycle. Learners are numbered island by island, so the low stages pair
-learners on the same island and only the high stages cross the wide-area link.
+learners on the same island and only the high stages cross the wide-area link. With
+`sync.inter_island_every` k > 1, a pair on different islands exchanges only in every k-th cycle of
+stages and sits the stage out otherwise: the islands mix internally at the round rate and cross
+the slow link k times less often.
 
 Mixing rule (butterfly). Each learner sends its round's anchor θ_i (the weights it started the
 round from) and its pseudo-gradient Δ_i = θ_i − x_i. Both partners then compute
@@ -37,6 +40,13 @@ def butterfly_partner(index: int, round_index: int, learners: int) -> int | None
         return None
     partner = index ^ (1 << (round_index % stage_count(learners)))
     return partner if partner < learners else None
+
+
+def crosses_islands_in(exchange: int, learners: int, inter_island_every: int) -> bool:
+    """Whether pairs on different islands exchange at this exchange count: only in every
+    `inter_island_every`-th cycle of stages (the last of each group), so the slow link is crossed
+    that many times less often while pairs within an island exchange every cycle."""
+    return (exchange // stage_count(learners)) % inter_island_every == inter_island_every - 1
 
 
 def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:

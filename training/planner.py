@@ -134,7 +134,8 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
         nbytes = sizes_bytes[fragment]
         ready = list(sent)
         transfers = sorted(((sent[s.index], s.index, peer) for s in slots
-                            for peer in mode.peers(s.index, t, settings.fragments, links_of[s.index])),
+                            for peer in mode.peers(s.index, t, settings.fragments, links_of[s.index],
+                                                   spec.sync.inter_island_every)),
                            key=lambda item: (max(item[0], sent[item[2]]), item[1]))
         for _, me, peer in transfers:
             start = max(ready[me], sent[peer])

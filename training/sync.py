@@ -30,7 +30,7 @@ from training.compression import Codec, ErrorFeedback
 from training.events import emit
 from training.fragments import FragmentLayout, exchange_count, fragment_of_round
 from training.messages import ExpectedMessage, MessageRejected, accept_message
-from training.mixing import butterfly_partner, mix_pair, weighted_mean
+from training.mixing import butterfly_partner, crosses_islands_in, mix_pair, weighted_mean
 from training.outer import OuterOptimizer
 
 
@@ -46,7 +46,8 @@ class SyncMode:
 
     fields: tuple[str, ...]
 
-    def peers(self, me: int, round_index: int, fragments: int, links: list[str]) -> list[int]:
+    def peers(self, me: int, round_index: int, fragments: int, links: list[str],
+              inter_island_every: int = 1) -> list[int]:
         raise NotImplementedError
 
     def mix(self, outer: OuterOptimizer, me: int, own: dict[str, torch.Tensor], tokens: int,
@@ -61,9 +62,14 @@ class Butterfly(SyncMode):
 
     fields = ("anchor", "delta")
 
-    def peers(self, me, round_index, fragments, links):
-        partner = butterfly_partner(me, exchange_count(round_index, fragments), len(links))
-        return [] if partner is None else [partner]
+    def peers(self, me, round_index, fragments, links, inter_island_every=1):
+        exchange = exchange_count(round_index, fragments)
+        partner = butterfly_partner(me, exchange, len(links))
+        # Both partners see the pair as crossing or not, so both sit out together.
+        if partner is None or (links[partner] == "inter" and
+                               not crosses_islands_in(exchange, len(links), inter_island_every)):
+            return []
+        return [partner]
 
     def mix(self, outer, me, own, tokens, received):
         if not received:
@@ -79,7 +85,7 @@ class AllReduce(SyncMode):
 
     fields = ("delta",)
 
-    def peers(self, me, round_index, fragments, links):
+    def peers(self, me, round_index, fragments, links, inter_island_every=1):
         return sorted((p for p in range(len(links)) if p != me), key=lambda p: links[p] != "inter")
 
     def mix(self, outer, me, own, tokens, received):
@@ -324,7 +330,8 @@ class Exchanger:
         return Receipt(peer, None, reason, **details)
 
     def _peers(self, round_index: int) -> list[int]:
-        return self.mode.peers(self.slot.index, round_index, len(self.fragments), self.links)
+        return self.mode.peers(self.slot.index, round_index, len(self.fragments), self.links,
+                               self.spec.sync.inter_island_every)
 
     def _link_class(self, round_index: int) -> str:
         """A message travels as inter-island traffic when any of the round's peers is on another island."""
