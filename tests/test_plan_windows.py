@@ -127,6 +127,30 @@ def test_the_plan_flow_publishes_the_windows_table_and_timeline(prefect_api):
     assert artifacts["plan-timeline"].data.startswith("data:image/png;base64,")
 
 
+def test_after_a_run_windows_too_short_for_its_measured_steps_leave_the_plan_without_them(prefect_api):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from tasks.planning import publish_plan
+
+    @flow
+    def report(spec, key: str) -> dict:
+        return publish_plan(spec, STEPS, 1e9, key=key, description="after the run",
+                            measured={"utilisation": 0.5, "inter_island_bytes": 1})
+
+    held = report(spec_of(), "held-vs-measured")
+    short = report(spec_of(east_windows=(("10:00:00", "10:01:00"),)), "short-vs-measured")
+    assert held["windows"]["rows"][1]["rounds"] == [3] and short["windows"] is None
+
+    async def keys():
+        async with get_client() as client:
+            return {a.key for a in await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
+                any_=["held-vs-measured-windows", "short-vs-measured", "short-vs-measured-windows"])))}
+
+    assert asyncio.run(keys()) == {"held-vs-measured-windows", "short-vs-measured"}
+
+
 def test_the_lifecycle_deployment_says_which_island_trains_when():
     from flows.serve import lifecycle_description
 
