@@ -101,12 +101,13 @@ def windows_timeline(windows: dict) -> bytes:
     ax.xaxis.set_major_locator(locator)
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
     ax.set(xlabel="time (UTC)", title="Planned rounds per capacity window, and waits on other islands")
-    shown = {"window": any(r["window"] is not None for r in windows["rows"]),
-             "always": any(r["window"] is None for r in windows["rows"]),
-             "waits": any(r["waits"] for r in windows["rows"])}
-    handles = {"window": Patch(color="tab:blue", label="capacity window (rounds planned in it)"),
-               "always": Patch(color="tab:cyan", label="island without windows: start to its last round"),
-               "waits": Patch(facecolor="none", edgecolor="tab:red", hatch="///", label="waiting on another island")}
-    ax.legend(handles=[handles[k] for k, present in shown.items() if present],
+    rows = windows["rows"]
+    legend = [(any(r["window"] is not None for r in rows),
+               Patch(color="tab:blue", label="capacity window (rounds planned in it)")),
+              (any(r["window"] is None for r in rows),
+               Patch(color="tab:cyan", label="island without windows: start to its last round")),
+              (any(r["waits"] for r in rows),
+               Patch(facecolor="none", edgecolor="tab:red", hatch="///", label="waiting on another island"))]
+    ax.legend(handles=[patch for present, patch in legend if present],
               loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8, frameon=False)
     return _png(fig)

@@ -24,9 +24,7 @@ from dateutil.rrule import DAILY, rrule
 
 from infra.spec import RunSpec
 from infra.windows import CapacityWindow
-from tasks.planning import windows_table
 from tasks.segments import island_pool
-from training.plan_windows import window_rows
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTROL_POOL = "archipelago"
@@ -139,6 +137,9 @@ def capacity_schedules(spec: RunSpec, now: datetime) -> list:
 def lifecycle_description(spec: RunSpec, now: datetime) -> str:
     """The `lifecycle` deployment's description: with capacity windows, when its schedule starts the
     run and which island trains when, which its RRule alone does not say."""
+    from tasks.planning import windows_table
+    from training.plan_windows import window_rows
+
     description = "Start an Archipelago run: its parameters form is the run spec."
     if not any(island.windows for island in spec.islands):
         return description
