@@ -165,3 +165,21 @@ def test_the_lifecycle_deployment_says_which_island_trains_when():
     assert "no run is scheduled" in later
     raw["islands"][0]["windows"] = []
     assert "window" not in lifecycle_description(parse_spec(raw), datetime(2026, 12, 4, tzinfo=timezone.utc))
+
+
+def test_the_served_lifecycle_deployment_keeps_its_rrule_and_names_the_windows(prefect_api):
+    from prefect.client.orchestration import get_client
+
+    from flows.serve import LIFECYCLE_DEPLOYMENT, register
+
+    spec = spec_of(east_windows=(("10:00:00", "10:01:00"), ("10:02:00", "10:05:00")))
+    deployment_id = register(spec)[LIFECYCLE_DEPLOYMENT]
+
+    async def read():
+        async with get_client() as client:
+            return await client.read_deployment(deployment_id)
+
+    deployment = asyncio.run(read())
+    assert "| west | 0 | 2026-12-10 10:00:30 | 2026-12-10 10:10:00 | Europe/Paris |" in deployment.description
+    (schedule,) = deployment.schedules
+    assert schedule.schedule.rrule == "DTSTART:20261210T100000\nRRULE:FREQ=DAILY;COUNT=1"
