@@ -58,7 +58,8 @@ class WindowedClock:
 
     def begin_round(self, clock: float) -> float:
         """When the learner's next round starts: at `clock` if it fits the window, else in the next
-        window it fits, as a new life. Time between windows after its first round counts as paused."""
+        window it fits, as a new life. From its stop at a window's end to that start it is paused: its
+        process has exited, so its own ledger does not count that time either."""
         start = max(clock, self.spans[self.window][0])
         while not round_fits(self.spans[self.window][1] - start, self.last_round_s):
             self.window, self.last_round_s = self.window + 1, 0.0
