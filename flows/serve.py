@@ -18,7 +18,6 @@ import urllib.request
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from zoneinfo import ZoneInfo
 
 from dateutil.rrule import DAILY, rrule
 
@@ -129,8 +128,8 @@ def capacity_schedules(spec: RunSpec, now: datetime) -> list:
     first = _first_window(spec, now)
     if first is None:
         return []
-    window = first[2]
-    local_start = window.start_at.astimezone(ZoneInfo(window.timezone)).replace(tzinfo=None)
+    _, _, window = first
+    local_start = window.local(window.start_at).replace(tzinfo=None)
     return [RRule(str(rrule(DAILY, count=1, dtstart=local_start)), timezone=window.timezone)]
 
 
@@ -144,10 +143,12 @@ def lifecycle_description(spec: RunSpec, now: datetime) -> str:
     if not any(island.windows for island in spec.islands):
         return description
     first = _first_window(spec, now)
-    when = ("No window starts after this deployment was made, so no run is scheduled: start one with Run."
-            if first is None else
-            f"Scheduled once, at the start of island {first[0]}'s window {first[1]}: "
-            f"{first[2].local(first[2].start_at):%Y-%m-%d %H:%M:%S} {first[2].timezone}.")
+    if first is None:
+        when = "No window starts after this deployment was made, so no run is scheduled: start one with Run."
+    else:
+        island, n, window = first
+        when = (f"Scheduled once, at the start of island {island}'s window {n}: "
+                f"{window.local(window.start_at):%Y-%m-%d %H:%M:%S} {window.timezone}.")
     return (f"{description}\n\n{when} Each island trains only inside its capacity windows, resuming in its next "
             f"one; its segments are flow runs `<run id>-<island>-window-<window>` on work pool `island-<island>`:"
             f"\n\n{windows_table(window_rows(spec))}")
