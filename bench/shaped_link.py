@@ -255,8 +255,13 @@ def drive(job: dict) -> int:
                 island_stores[end.island] = {"url": f"s3://{end.island}/shaped", "endpoint_url": own.endpoint_url,
                                              "credentials_env": prefix}
                 log(f"S3 endpoint {own.endpoint_url} in {end.namespace}: island {end.island}'s own store")
+        profile_store = {"url": "s3://archipelago/profile", "endpoint_url": server.endpoint_url}
         predicted = {arm: predict(arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url, island_stores),
-                                  plan.rate_bps) for arm in job["arms"] if arm != "standard"}
+                                  plan.rate_bps, profile_store) for arm in job["arms"] if arm != "standard"}
+        if "standard" in job["arms"] and predicted:
+            predicted["standard"] = predict_standard(
+                arm_spec(job["configs"]["standard"], job["rounds"], server.endpoint_url, {}), plan.rate_bps,
+                job["rate"]["calibrated_step_seconds"], predicted.get("allreduce", next(iter(predicted.values()))))
         runs: dict[str, list[dict]] = {arm: [] for arm in job["arms"]}
         for repeat in range(job["repeats"]):  # arm by arm within a repeat, so arms compare side by side
             for arm in job["arms"]:
@@ -280,19 +285,30 @@ def drive(job: dict) -> int:
     return 0
 
 
-def predict(spec, rate_bps: float) -> dict:
-    """The planner's figures for an islands arm, from step times and a start-up measured here
-    before any run (the planner models neither checkpoints nor store latency: the bench shows
-    what they cost)."""
-    from training.planner import measure_step_seconds, plan_run
+def predict(spec, rate_bps: float, store: dict) -> dict:
+    """The planner's figures for an islands arm, from a profiling run of its learners here, against
+    `store` at local speed, before any run on the link (`training.profile_run`)."""
+    from training.planner import plan_run
+    from training.profile_run import profile_run
 
-    step_seconds, startup_s = measure_step_seconds(spec)
-    planned = plan_run(spec, step_seconds, rate_bps, startup_s)
+    profile = profile_run(spec, store)
+    planned = plan_run(spec, profile.step_seconds, rate_bps, profile.startup_s, profile.round_overhead_s,
+                       profile.teardown_s)
     log(f"plan for {spec.name}: {json.dumps({k: planned[k] for k in ('utilisation', 'wall_s')})}, "
-        f"step seconds {step_seconds}, start-up {startup_s:.1f} s")
+        f"profile {json.dumps(profile.to_json())}")
     return {"utilisation": planned["utilisation"], "wall_s": planned["wall_s"],
-            "exchange_bytes": planned["exchange_bytes"]["inter"], "step_seconds": step_seconds,
-            "startup_s": startup_s, "plan": planned}
+            "exchange_bytes": planned["exchange_bytes"]["inter"], "profile": profile.to_json(), "plan": planned}
+
+
+def predict_standard(spec, rate_bps: float, step_seconds: float, islands_prediction: dict) -> dict:
+    """The planner's figures for the per-step all-reduce arm: the step calibrated before the link went
+    up, and the islands' profiled start-up and teardown (the same imports, spec and shards)."""
+    from training.planner import plan_data_parallel
+
+    profile = islands_prediction["profile"]
+    planned = plan_data_parallel(spec, step_seconds, rate_bps, profile["startup_s"], profile["teardown_s"])
+    return {"utilisation": planned["utilisation"], "wall_s": planned["wall_s"],
+            "exchange_bytes": planned["exchange_bytes"]["inter"], "plan": planned}
 
 
 def credentials_env(island: str) -> str:

@@ -153,3 +153,44 @@ def test_the_plan_flow_publishes_the_plan_as_an_artifact(prefect_api):
     artifacts = asyncio.run(read())
     assert artifacts and "link for 95% utilisation" in artifacts[0].data
     assert f"{result['exchange_bytes']['inter']:,} bytes" in artifacts[0].data
+
+
+def test_data_parallel_waits_for_the_whole_gradient_each_step():
+    from training.baseline import BaselinePlan
+    from training.planner import plan_data_parallel
+    spec = spec_of()
+    parameters = sum(fragment_sizes(spec))
+    # Two ranks: a ring sends the whole fp32 gradient each way, 32 bits a parameter; at this rate 0.1 s.
+    link_bps = parameters * 32 / 0.1
+    planned = plan_data_parallel(spec, 0.3, link_bps, startup_s=2.0, teardown_s=1.0)
+    steps = BaselinePlan.of(spec).steps
+    assert planned["utilisation"] == pytest.approx(0.75)
+    assert planned["wall_s"] == pytest.approx(3.0 + steps * 0.4)
+    assert planned["exchange_bytes"]["inter"] == steps * parameters * 4 * 2
+
+
+def test_a_profiled_round_overhead_and_start_and_end_add_to_the_plan():
+    spec = spec_of(steps=(4, 4), rounds=5)
+    bare = plan_run(spec, {"i0": 0.1, "i1": 0.1}, 1e18)
+    profiled = plan_run(spec, {"i0": 0.1, "i1": 0.1}, 1e18, startup_s=3.0,
+                        round_overhead_s={"i0": 0.1, "i1": 0.1}, teardown_s=2.0)
+    assert bare["utilisation"] == pytest.approx(1.0)
+    # Each round: 0.4 s of inner steps and 0.1 s besides them.
+    assert profiled["utilisation"] == pytest.approx(0.8)
+    assert profiled["wall_s"] == pytest.approx(3.0 + 5 * 0.5 + 2.0)
+    assert profiled["bandwidth_for_utilisation"]["0.90"] is None
+
+
+def test_a_profile_is_read_from_round_ends_and_per_round_compute():
+    from types import SimpleNamespace
+    from training.profile_run import summarise
+    spec = spec_of(steps=(4, 2), learners=1, rounds=3)
+    summaries = [SimpleNamespace(learner=0, rounds=[{"compute_s": c} for c in (0.5, 0.4, 0.4)]),
+                 SimpleNamespace(learner=1, rounds=[{"compute_s": c} for c in (0.6, 0.6, 0.6)])]
+    # Learner 0's rounds end 0.5 s apart: 0.4 s of inner steps and 0.1 s besides; learner 1's 0.8 s apart.
+    ends = {0: [5.0, 5.5, 6.0], 1: [6.0, 6.8, 7.6]}
+    profile = summarise(spec, summaries, ends, exits={0: 7.0, 1: 8.0})
+    assert profile.step_seconds == pytest.approx({"i0": 0.1, "i1": 0.3})
+    assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.2})
+    assert profile.startup_s == pytest.approx(6.0 - 0.6 - 0.2)
+    assert profile.teardown_s == pytest.approx(1.0)

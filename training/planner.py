@@ -106,7 +106,7 @@ class LearnerPlan:
 
 
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
-           sizes_bytes: list[int] | None = None) -> list[LearnerPlan]:
+           sizes_bytes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None) -> list[LearnerPlan]:
     """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
     windows, each computes only inside its island's (`training.plan_windows`)."""
     slots = spec.learners
@@ -159,6 +159,8 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
                 pending[s.index] = None
             else:
                 pending[s.index] = ready[s.index]
+            # The round's work besides inner steps and the link (profiled: `training.profile_run`).
+            clock[s.index] += (round_overhead_s or {}).get(s.island.name, 0.0)
             plan.round_ends.append(clock[s.index])
             windows[s.index].end_round()
     return plans
@@ -172,29 +174,36 @@ def steady_utilisation(plans: list[LearnerPlan]) -> float:
 
 
 def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float,
-                  sizes: list[int] | None = None) -> float | None:
+                  sizes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None) -> float | None:
     """The slowest link (bit/s) at which the run keeps `goal` utilisation; None when even an
-    unlimited link does not (the islands wait on each other's compute). `sizes`: each fragment's
-    message bytes, when the caller has them."""
+    unlimited link does not (the islands wait on each other's compute, or on their own rounds'
+    overhead). `sizes`: each fragment's message bytes, when the caller has them."""
     sizes = sizes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
-    if steady_utilisation(replay(spec, step_seconds, 1e18, sizes)) < goal:
+
+    def utilisation(link_bps: float) -> float:
+        return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s))
+
+    if utilisation(1e18) < goal:
         return None
     low, high = 1e3, 1e15
     for _ in range(60):  # bisection in log space: 60 halvings of a factor of 1e12 leave 1e-7 of it
         mid = math.sqrt(low * high)
-        low, high = (mid, high) if steady_utilisation(replay(spec, step_seconds, mid, sizes)) < goal else (low, mid)
+        low, high = (mid, high) if utilisation(mid) < goal else (low, mid)
     return high
 
 
-def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, startup_s: float = 0.0) -> dict:
+def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, startup_s: float = 0.0,
+             round_overhead_s: dict[str, float] | None = None, teardown_s: float = 0.0) -> dict:
     """The plan of a run: per island and for the run, compute, bytes per link class, time blocked on
-    the link, utilisation, wall time, and the link needed for each utilisation goal."""
+    the link, utilisation, wall time, and the link needed for each utilisation goal. `startup_s`,
+    `round_overhead_s` (per island) and `teardown_s`: what a run spends besides inner steps and the
+    link, from a profiling run (`training.profile_run`); zero when not profiled."""
     missing = sorted({s.island.name for s in spec.learners} - set(step_seconds))
     if missing:
         raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
     fragments = fragment_sizes(spec)
     sizes = [message_bytes(spec, n) for n in fragments]
-    plans = replay(spec, step_seconds, link_bps, sizes)
+    plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s)
     islands = {}
     for island in spec.islands:
         mine = [p for p in plans if p.island == island.name]
@@ -213,11 +222,30 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
         "exchange_bytes": {"inter": inter, "intra": sum(p.bytes_read["intra"] for p in plans)},
         "blocked_s": sum(p.blocked_s for p in plans),
         "utilisation": steady_utilisation(plans),
-        "wall_s": startup_s + max(p.round_ends[-1] for p in plans),
+        "wall_s": startup_s + max(p.round_ends[-1] for p in plans) + teardown_s,
+        "overheads": {"startup_s": startup_s, "round_overhead_s": round_overhead_s or {}, "teardown_s": teardown_s},
         "windows": windows_plan(spec, plans),
-        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes)
+        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes, round_overhead_s)
                                       for goal in UTILISATION_GOALS},
     }
+
+
+def plan_data_parallel(spec: RunSpec, step_seconds: float, link_bps: float, startup_s: float = 0.0,
+                       teardown_s: float = 0.0) -> dict:
+    """Standard training of the same model and tokens across the same link, for comparison: one rank
+    per island, the fp32 gradient all-reduced over the link after every step (a ring sends 2(n-1)/n of
+    it each way), not overlapped with the step's compute. `step_seconds`: one rank's forward,
+    backward and optimizer step on its island's share of the global batch."""
+    from training.baseline import BaselinePlan
+
+    steps, ranks = BaselinePlan.of(spec).steps, len(spec.islands)
+    parameters = sum(fragment_sizes(spec))
+    each_way = 2 * (ranks - 1) / ranks * parameters * 4
+    communicate = each_way * 8 / link_bps
+    return {"steps": steps, "ranks": ranks, "step_seconds": step_seconds, "bytes_each_way_per_step": each_way,
+            "exchange_bytes": {"inter": round(steps * each_way * ranks)},
+            "utilisation": step_seconds / (step_seconds + communicate),
+            "wall_s": startup_s + steps * (step_seconds + communicate) + teardown_s}
 
 
 def complete_step_seconds(spec: RunSpec, given: dict[str, float]) -> tuple[dict[str, float], float | None]:
