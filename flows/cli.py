@@ -175,14 +175,23 @@ def plan(args: argparse.Namespace) -> int:
     if args.figure and not any(island.windows for island in spec.islands):
         print("error: --figure draws capacity windows, and no island has any (islands[].windows)", file=sys.stderr)
         return 2
-    step_seconds, ready_s = complete_step_seconds(spec, given)
-    for island in spec.islands:
-        if island.name not in given:
-            print(f"island {island.name}: {step_seconds[island.name]:.4f} s per inner step, measured here with "
-                  f"all {len(spec.learners)} learners stepping at once")
+    overheads = {}
+    if args.profile_run:
+        from training.profile_run import profile_run
+
+        profile = profile_run(spec)
+        step_seconds, ready_s = {**profile.step_seconds, **given}, profile.startup_s
+        overheads = {"round_overhead_s": profile.round_overhead_s, "teardown_s": profile.teardown_s}
+        print(f"profiling run of {len(spec.learners)} learners here: {json.dumps(profile.to_json())}")
+    else:
+        step_seconds, ready_s = complete_step_seconds(spec, given)
+        for island in spec.islands:
+            if island.name not in given:
+                print(f"island {island.name}: {step_seconds[island.name]:.4f} s per inner step, measured here with "
+                      f"all {len(spec.learners)} learners stepping at once")
     startup_s = args.startup_s if args.startup_s is not None else ready_s
     try:
-        result = plan_run(spec, step_seconds, args.link_gbps * 1e9, startup_s or 0.0)
+        result = plan_run(spec, step_seconds, args.link_gbps * 1e9, startup_s or 0.0, **overheads)
     except WindowsTooShort as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -237,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                              help="seconds per inner step of an island's learners (measured here when not given)")
     plan_parser.add_argument("--startup-s", type=float, default=None,
                              help="seconds before the first inner step (measured with the step times when not given)")
+    plan_parser.add_argument("--profile-run", action="store_true",
+                             help="profile with the run's own learners for a few rounds here (its data is prepared "
+                                  "in a temporary folder): adds each round's time besides inner steps, start-up and "
+                                  "teardown to the plan")
     plan_parser.add_argument("--json", help="write the plan as JSON here")
     plan_parser.add_argument("--figure", metavar="PATH",
                              help="write the timeline of the islands' capacity windows here (PNG)")

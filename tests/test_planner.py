@@ -194,3 +194,24 @@ def test_a_profile_is_read_from_round_ends_and_per_round_compute():
     assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.2})
     assert profile.startup_s == pytest.approx(6.0 - 0.6 - 0.2)
     assert profile.teardown_s == pytest.approx(1.0)
+
+
+def test_plan_command_profiles_with_the_run_s_own_learners(tmp_path, capsys):
+    config = tmp_path / "spec.yaml"
+    config.write_text(json.dumps({
+        "islands": [{"name": "east", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2},
+                    {"name": "west", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
+        "model": {"layers": 1, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "code", "source": "python_stdlib", "max_documents": 40}]},
+        "sync": {"mode": "butterfly", "rounds": 50},
+        "store": {"url": str(tmp_path / "never-written")}}))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(config), "--profile-run", "--link-gbps", "1", "--json", str(out)]) == 0
+    assert "profiling run of 2 learners" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    overheads = written["overheads"]
+    assert set(overheads["round_overhead_s"]) == {"east", "west"} and overheads["startup_s"] > 0
+    # The plan's 50 rounds, each with its inner steps and its overhead, between start-up and teardown.
+    per_round = max(2 * written["islands"][i]["step_seconds"] + overheads["round_overhead_s"][i] for i in ("east", "west"))
+    assert written["wall_s"] >= overheads["startup_s"] + 50 * per_round + overheads["teardown_s"] - 1e-6
+    assert not (tmp_path / "never-written").exists()  # the profile's store is a temporary folder
