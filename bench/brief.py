@@ -10,7 +10,8 @@ recipe) is trained here. Arms are run, scored and tabled by bench/quality.py's f
 
 Arms, in order:
 - `candidate-<name>`: the recipe's tuning on seed 0, one per entry of configs/brief-candidates.yaml
-  (overrides of configs/brief.yaml), ranked on the validation split only;
+  (its `start` settings, then the candidate's overrides, laid over configs/brief.yaml), ranked on
+  the validation split only;
 - `brief-s<seed>`: configs/brief.yaml on seeds 0, 1, 2;
 - `single-brief-s<seed>`: (c), one learner with the brief's inner and outer optimizer, round length
   and fragment schedule (no message compression: with no peers it would only add noise).
@@ -72,10 +73,11 @@ def merged(base, overrides):
     return copy.deepcopy(overrides)
 
 
-def load_candidates() -> list[dict]:
-    """The tuning candidates in the order they are run (re-read before every arm, so ones added while
-    the benchmark runs are picked up)."""
-    return yaml.safe_load(CANDIDATES.read_text())["candidates"]
+def load_candidates() -> tuple[dict, list[dict]]:
+    """The settings every candidate starts from, and the candidates in the order they are run (re-read
+    before every arm, so ones added while the benchmark runs are picked up)."""
+    document = yaml.safe_load(CANDIDATES.read_text())
+    return document["start"], document["candidates"]
 
 
 @dataclass(frozen=True)
@@ -100,8 +102,9 @@ class BriefArm:
         raw = yaml.safe_load(CONFIG.read_text())
         raw["seed"] = self.seed
         if self.kind == "candidate":
-            entry = next(c for c in load_candidates() if c["name"] == self.candidate)
-            raw = merged(raw, entry.get("overrides", {}))
+            start, candidates = load_candidates()
+            entry = next(c for c in candidates if c["name"] == self.candidate)
+            raw = merged(merged(raw, start), entry.get("overrides", {}))
         elif self.kind == "single":
             # The islands' rows per round on one learner at the east island's round length (as
             # bench/quality.py's single arms): the same tokens, schedule and optimizers, no peers.
@@ -124,7 +127,7 @@ def fingerprint(spec: RunSpec) -> str:
 
 
 def all_arms() -> list[BriefArm]:
-    candidates = [BriefArm("candidate", SWEEP_SEED, c["name"]) for c in load_candidates()]
+    candidates = [BriefArm("candidate", SWEEP_SEED, c["name"]) for c in load_candidates()[1]]
     return candidates + [BriefArm(kind, seed) for kind in ("islands", "single") for seed in SEEDS]
 
 
@@ -281,8 +284,9 @@ def table_markdown(summary: dict) -> str:
              "(bench/results/quality, tuned on the validation split)",
              "- (b) standard training at its best global batch: " +
              (f"{settings['b']['global_batch']}, lr {settings['b']['lr']}" if settings["b"] else "not chosen yet"),
-             f"- (c) {settings['c']}", "",
-             "| evaluation | (a) | (b) | (c) | brief | vs (a) | vs (b) | vs (c) |", "|---|---|---|---|---|---|---|---|"]
+             f"- (c) {settings['c']}"]
+    if summary["relative"]:
+        lines += ["", "| evaluation | (a) | (b) | (c) | brief | vs (a) | vs (b) | vs (c) |", "|---|---|---|---|---|---|---|---|"]
     for evaluation, row in summary["relative"].items():
         cells = []
         for key in ("baseline_a_bpb", "baseline_b_bpb", "baseline_c_bpb", "islands_bpb"):
@@ -316,12 +320,13 @@ def percent(value: float | None) -> str:
 
 def tuning_markdown(summary: dict, results: dict[str, dict]) -> str:
     """Every candidate with its validation figures, best first among those meeting the bytes target."""
-    described = {c["name"]: c.get("why", "") for c in load_candidates()}
+    described = {c["name"]: c.get("why", "") for c in load_candidates()[1]}
     recipe = next((r["candidate"] for r in results.values()
                    if r["kind"] == "candidate" and r["spec_fingerprint"] == fingerprint(BriefArm("islands", SWEEP_SEED).spec())),
                   None)
     lines = ["# Tuning the brief's recipe (seed 0, validation split only)", "",
-             "Each candidate is configs/brief.yaml with the overrides in configs/brief-candidates.yaml, trained in "
+             "Each candidate is configs/brief.yaml with configs/brief-candidates.yaml's start settings and the "
+             "candidate's overrides, trained in "
              "full (2,457,600 tokens, no shortened screening runs) on seed 0 and scored on the validation split; "
              "the held-out sets chose nothing. vs (a) / vs (b): validation bpb against standard training's "
              "seed-0 runs of bench/quality.py at the same tokens. Bytes ratio: per-step fp32 all-reduce between "
