@@ -73,7 +73,7 @@ from pathlib import Path
 
 from bench.netns import (IslandEnd, LinkPlan, existing_namespaces, link_bytes, log, require_root_and_tools, run_checked,
                          run_concurrently, teardown)
-from bench.shaped_link_report import headline, markdown
+from bench.shaped_link_report import headline, write_reports
 
 BRIEF_PARAMETERS = 32e9
 BRIEF_LINK_BPS = 25e9
@@ -280,8 +280,7 @@ def drive(job: dict) -> int:
     out = Path(job["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(document))
-    print(markdown(document), flush=True)
+    print(write_reports(document, out), flush=True)
     return 0
 
 

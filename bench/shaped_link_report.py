@@ -1,8 +1,18 @@
-"""The shaped-link bench's results: a headline per arm and the Markdown table of bench/results."""
+"""The shaped-link bench's results: a headline per arm and the Markdown table of bench/results.
+
+    .venv/bin/python -m bench.shaped_link_report   # rewrite the .md and the README's plan table from the JSON
+"""
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
+from pathlib import Path
+
+RESULTS = Path("bench/results/shaped_link.json")
+README_BEGIN = "<!-- plan-vs-shaped-link: written by `python -m bench.shaped_link_report` from bench/results/shaped_link.json -->"
+README_END = "<!-- /plan-vs-shaped-link -->"
 
 
 def headline(result: dict) -> dict:
@@ -45,17 +55,8 @@ def markdown(document: dict) -> str:
              "runs, which alternate arm by arm.", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
-    planned = {name: arm["predicted"] for name, arm in arms.items() if "predicted" in arm}
-    if planned:
-        lines += ["", "Planned (`archipelago plan`'s model, from step times and start-up measured before the runs) "
-                      "against measured (median):", "",
-                  "| arm | utilisation planned / measured | wall s planned / measured | inter-island exchange bytes "
-                  "planned / counted |", "|---|---|---|---|"]
-        for name, p in planned.items():
-            arm = arms[name]
-            lines.append(f"| {name} | {p['utilisation']:.1%} / {statistics.median(arm['utilisation']):.1%} | "
-                         f"{p['wall_s']:.1f} / {statistics.median(arm['wall_s']):.1f} | "
-                         f"{p['exchange_bytes']:,} / {statistics.median(arm['exchange_bytes_counted']):,.0f} |")
+    if any("predicted" in arm for arm in arms.values()):
+        lines += ["", *planned_markdown(document)]
     for name, arm in arms.items():
         payload = arm["runs"][0].get("remote_island_store_payload")
         if payload:
@@ -82,3 +83,44 @@ def markdown(document: dict) -> str:
               "learners' own split, which leaves out checkpoint writes. Learners share 2 CPU cores with each other "
               "and with other work on the machine."]
     return "\n".join(lines) + "\n"
+
+
+def off_by(planned: float, measured: float) -> str:
+    return f"{(planned / measured - 1) * 100:+.1f}%"
+
+
+def planned_markdown(document: dict) -> list[str]:
+    """The planner against each arm's runs: utilisation and wall time (target: within 10% of the
+    measured median) and inter-island exchange bytes (within 2% of the learners' counts)."""
+    arms = {name: arm for name, arm in document["arms"].items() if "predicted" in arm}
+    lines = ["Planned (`training/planner.py`: the islands' arms from a profiling run of their own learners before "
+             "the runs, `plan_run`; standard from the step calibrated before the link went up, `plan_data_parallel`) "
+             "against measured (median of the runs; per run in brackets):", "",
+             "| arm | utilisation planned / measured | wall s planned / measured | inter-island exchange bytes "
+             "planned / counted |", "|---|---|---|---|"]
+    for name, arm in arms.items():
+        p = arm["predicted"]
+        utilisation, wall = statistics.median(arm["utilisation"]), statistics.median(arm["wall_s"])
+        counted = statistics.median(arm["exchange_bytes_counted"])
+        lines.append(
+            f"| {name} | {p['utilisation']:.1%} / {utilisation:.1%} ({off_by(p['utilisation'], utilisation)}) "
+            f"[{', '.join(f'{u:.1%}' for u in arm['utilisation'])}] | {p['wall_s']:.1f} / {wall:.1f} "
+            f"({off_by(p['wall_s'], wall)}) [{', '.join(f'{w:.1f}' for w in arm['wall_s'])}] | "
+            f"{p['exchange_bytes']:,} / {counted:,.0f} ({off_by(p['exchange_bytes'], counted)}) |")
+    return lines
+
+
+def write_reports(document: dict, out: Path = RESULTS) -> str:
+    """The bench's Markdown beside its JSON, and the planned-against-measured table in the README."""
+    from bench.quality import splice_into_readme
+
+    text = markdown(document)
+    out.with_suffix(".md").write_text(text)
+    if any("predicted" in arm for arm in document["arms"].values()):
+        splice_into_readme("\n".join(["#", *planned_markdown(document)]), begin=README_BEGIN, end=README_END)
+    return text
+
+
+if __name__ == "__main__":
+    print(write_reports(json.loads(RESULTS.read_text())))
+    sys.exit(0)
