@@ -110,18 +110,22 @@ def test_plan_command_prints_the_windows_table_and_writes_the_timeline(tmp_path,
 
 def test_the_plan_flow_publishes_the_windows_table_and_timeline(prefect_api):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
     from flows.deployments import plan
 
-    plan(spec_of(), link_gbps=1.0, step_seconds=STEPS)
+    flow_run_id = plan(spec_of(), link_gbps=1.0, step_seconds=STEPS, return_state=True).state_details.flow_run_id
 
-    async def read():
+    async def read_and_remove():
         async with get_client() as client:
-            return {a.key: a for a in await client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["plan-windows", "plan-timeline"])))}
+            artifacts = await client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+            for artifact in artifacts:  # tests/test_planner.py reads the `plan` artifact its own flow run made
+                await client.delete_artifact(artifact.id)
+            return {a.key: a for a in artifacts}
 
-    artifacts = asyncio.run(read())
+    artifacts = asyncio.run(read_and_remove())
+    assert set(artifacts) == {"plan", "plan-windows", "plan-timeline"}
     assert "| west | 0 | 2026-12-10 10:00:30 | 2026-12-10 10:10:00 | Europe/Paris | 4 |" in artifacts["plan-windows"].data
     assert artifacts["plan-timeline"].type == "image"
     assert artifacts["plan-timeline"].data.startswith("data:image/png;base64,")
