@@ -25,7 +25,7 @@ from infra.spec import RunSpec, parse_spec
 from infra.store import run_store
 from training.ledger import read_summaries
 
-PROFILE_ROUNDS = 3  # the first round's end starts the clock; two more give each learner two round lengths
+PROFILE_ROUNDS = 5  # the first round's end starts the clock; four more give each learner four round lengths
 
 
 @dataclass(frozen=True)
