@@ -13,6 +13,8 @@ from pathlib import Path
 RESULTS = Path("bench/results/shaped_link.json")
 README_BEGIN = "<!-- plan-vs-shaped-link: written by `python -m bench.shaped_link_report` from bench/results/shaped_link.json -->"
 README_END = "<!-- /plan-vs-shaped-link -->"
+README_TABLE_BEGIN = "<!-- shaped-link-table: written by `python -m bench.shaped_link_report` from bench/results/shaped_link.json -->"
+README_TABLE_END = "<!-- /shaped-link-table -->"
 
 
 def headline(result: dict) -> dict:
@@ -116,6 +118,7 @@ def write_reports(document: dict, out: Path = RESULTS) -> str:
 
     text = markdown(document)
     out.with_suffix(".md").write_text(text)
+    splice_into_readme(text, begin=README_TABLE_BEGIN, end=README_TABLE_END)
     if any("predicted" in arm for arm in document["arms"].values()):
         splice_into_readme("\n".join(["#", *planned_markdown(document)]), begin=README_BEGIN, end=README_END)
     return text
