@@ -18,6 +18,7 @@ from prefect.runtime import flow_run
 from infra import layout
 from infra.spec import RunSpec, check_windows_ahead
 from infra.store import run_store
+from tasks.credentials import load_credential_blocks
 from tasks.results import RESULT_SERIALIZER, result_storage
 from tasks.setup import flow_run_run_id
 from tasks.training import train_learner
@@ -30,6 +31,7 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
     `until`: the window's end; a learner stops before a round that would not finish in time,
     with that round's predecessor checkpointed, and the next segment resumes from there.
     """
+    load_credential_blocks(spec)
     train = train_learner.with_options(result_storage=result_storage(spec.store))
     learners = [train.submit(spec, run_id, island, slot.index, until)
                 for slot in spec.learners if slot.island.name == island]

@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from infra.lease import held_lease, this_process
 from infra.spec import RunSpec
 from infra.store import run_store
+from tasks.credentials import load_credential_blocks
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
 from tasks.results import RESULT_SERIALIZER, result_storage
@@ -37,6 +38,7 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     """`islands_via`: "tasks" runs every learner from this flow's own process; "deployments" runs
     each island's segments as runs of that island's deployment, on the island's own work pool."""
     started = time.monotonic()
+    load_credential_blocks(spec)
     run_id = run_id or new_run_id(spec)
     with held_lease(run_store(spec.store, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
                     warn=get_run_logger().warning):

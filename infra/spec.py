@@ -271,6 +271,14 @@ class RunSpec(SpecModel):
     faults: list[Fault] = Field(default_factory=list, description="Faults to inject, for tests and drills.")
 
     @model_validator(mode="after")
+    def _run_store_credentials_from_the_environment(self) -> "RunSpec":
+        # Prefect opens the run's store for the lifecycle's results before any flow code can load a block.
+        if self.store.credentials_block:
+            raise ValueError("store.credentials_block: the run's store is the control plane's; give its credentials "
+                             "in the control plane's environment (credentials_env); blocks are for islands[].store")
+        return self
+
+    @model_validator(mode="after")
     def _layout(self) -> "RunSpec":
         names = [i.name for i in self.islands]
         if len(set(names)) != len(names):

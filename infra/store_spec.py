@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from infra.spec_model import MAX_WAIT_S, SpecModel
 from infra.store import StoreError, parse_store_url
@@ -22,8 +22,21 @@ class StoreSpec(SpecModel):
         description="Prefix of the environment variables with this store's S3 credentials: "
                     "<PREFIX>_AWS_ACCESS_KEY_ID, <PREFIX>_AWS_SECRET_ACCESS_KEY, optionally <PREFIX>_AWS_SESSION_TOKEN "
                     "and <PREFIX>_AWS_ENDPOINT_URL. Empty: the standard AWS credential chain.")
+    credentials_block: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9-]{0,63}$",
+        description="Name of a Prefect Secret block holding this store's S3 credentials as JSON: aws_access_key_id, "
+                    "aws_secret_access_key and optionally aws_session_token. The lifecycle and each island's "
+                    "segment flow load it on their own worker and set <credentials_env>_AWS_* in their process, "
+                    "which the learners they start inherit; needs credentials_env. Only the name is in the spec.")
     retry_attempts: int = Field(8, ge=1, le=100, description="Attempts per store request before its stage fails.")
     retry_budget_s: float = Field(120, gt=0, le=MAX_WAIT_S, description="Seconds one store request may spend retrying.")
+
+    @model_validator(mode="after")
+    def _a_block_needs_variable_names(self) -> "StoreSpec":
+        if self.credentials_block and not self.credentials_env:
+            raise ValueError(f"credentials_block {self.credentials_block!r} needs credentials_env: the prefix of the "
+                             "<PREFIX>_AWS_* variables the block's credentials are handed to learners in")
+        return self
 
     @field_validator("url")
     @classmethod
