@@ -67,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -82,6 +83,8 @@ BRIEF_DP_NEED_BPS = math.sqrt(100e9 * 300e9)
 TARGET_UTILISATION = 0.95
 FP32 = 4
 RESULTS = Path("bench/results")
+OUTAGE_ARM = "butterfly-outage"
+OUTAGE_PARTNER_TIMEOUT_S = 5.0
 
 
 # -- rate arithmetic ------------------------------------------------------------------------------
@@ -152,12 +155,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="config of the butterfly arm (default: fragments, overlap, int4 with error feedback)")
     parser.add_argument("--arms", default="standard,allreduce,butterfly", help="which arms to run, in order")
     parser.add_argument("--rounds", type=int, default=None, help="override every arm's sync.rounds")
+    parser.add_argument("--checkpoint-every", type=int, default=None,
+                        help="override the islands arms' sync.checkpoint_every (default: each config's)")
     parser.add_argument("--rate-mbit", type=float, default=None, help="link rate; default matched to the brief")
     parser.add_argument("--dp-max-steps", type=int, default=None,
                         help="run only this many standard-arm steps and extrapolate its wall time and bytes")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved arm by arm")
     parser.add_argument("--one-store", action="store_true",
                         help="every island on the first island's store (default: each island its own SeaweedFS)")
+    parser.add_argument("--outage-s", type=float, default=0,
+                        help="after the arms, run the butterfly arm once more with the last island's store "
+                             "frozen this many seconds (the outage drill)")
+    parser.add_argument("--outage-after-s", type=float, default=15,
+                        help="when the drill's outage starts, in seconds after its learners start")
     parser.add_argument("--out", default=str(RESULTS / "shaped_link.json"))
     parser.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -173,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(arms) - {"standard", "allreduce", "butterfly"}
     if unknown:
         raise SystemExit(f"--arms: unknown arm(s) {sorted(unknown)}")
+    if args.outage_s and ("butterfly" not in arms or args.one_store):
+        raise SystemExit("--outage-s: the drill reruns the butterfly arm on the islands' own stores; "
+                         "keep butterfly in --arms and drop --one-store")
     configs = {arm: getattr(args, arm) for arm in arms}
     specs = {arm: load_spec(path) for arm, path in configs.items()}  # bad configs fail here, named
     islands = {arm: [i.name for i in spec.islands] for arm, spec in specs.items()}
@@ -200,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     job = {"plan": asdict(plan), "arms": arms, "configs": configs, "rounds": args.rounds,
            "repeats": args.repeats, "island_stores": not args.one_store,
            "dp_max_steps": args.dp_max_steps, "rate": rate_info, "workdir": str(workdir),
+           "outage_s": args.outage_s, "outage_after_s": args.outage_after_s,
+           "checkpoint_every": args.checkpoint_every,
            "out": str(Path(args.out).resolve())}
     (workdir / "job.json").write_text(json.dumps(job))
     driver = None
@@ -243,7 +258,7 @@ def drive(job: dict) -> int:
         server = servers.enter_context(seaweed_server(Path(job["workdir"]) / "seaweed", host=plan.server.address))
         os.environ.update(server.env())
         log(f"S3 endpoint {server.endpoint_url} in {plan.server.namespace}")
-        island_stores = {}
+        island_stores, island_servers = {}, {}
         if job["island_stores"]:
             for end in plan.ends[1:]:  # the first island keeps its objects in the run's store, beside it
                 own = servers.enter_context(seaweed_server(
@@ -254,9 +269,11 @@ def drive(job: dict) -> int:
                                    f"{prefix}_AWS_SECRET_ACCESS_KEY": own.secret_key})
                 island_stores[end.island] = {"url": f"s3://{end.island}/shaped", "endpoint_url": own.endpoint_url,
                                              "credentials_env": prefix}
+                island_servers[end.island] = own
                 log(f"S3 endpoint {own.endpoint_url} in {end.namespace}: island {end.island}'s own store")
         profile_store = {"url": "s3://archipelago/profile", "endpoint_url": server.endpoint_url}
-        predicted = {arm: predict(arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url, island_stores),
+        predicted = {arm: predict(arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url, island_stores,
+                                           job["checkpoint_every"]),
                                   plan.rate_bps, profile_store) for arm in job["arms"] if arm != "standard"}
         if "standard" in job["arms"] and predicted:
             predicted["standard"] = predict_standard(
@@ -266,13 +283,17 @@ def drive(job: dict) -> int:
         for repeat in range(job["repeats"]):  # arm by arm within a repeat, so arms compare side by side
             for arm in job["arms"]:
                 spec = arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url,
-                                island_stores if arm != "standard" else {})
+                                island_stores if arm != "standard" else {},
+                                job["checkpoint_every"] if arm != "standard" else None)
                 log(f"arm {arm}, run {repeat + 1}/{job['repeats']}: {job['configs'][arm]}, {spec.sync.rounds} rounds")
                 result = run_standard(spec, plan, job["dp_max_steps"]) if arm == "standard" else \
                     run_islands(spec, plan, arm)
                 runs[arm].append(result)
                 log(f"arm {arm} run {repeat + 1} done: {json.dumps(headline(result))}")
-    results = {arm: {**arm_result(job["configs"][arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
+        if job["outage_s"]:
+            runs[OUTAGE_ARM] = [outage_drill(job, plan, island_stores, island_servers, server.endpoint_url)]
+    configs = {**job["configs"], OUTAGE_ARM: job["configs"].get("butterfly")}
+    results = {arm: {**arm_result(configs[arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
                                                                      else {})} for arm, arm_runs in runs.items()}
     document = {"link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
                          "island_stores": sorted(island_stores)},
@@ -323,7 +344,8 @@ def arm_result(config: str, runs: list[dict]) -> dict:
             "utilisation": [r["utilisation"] for r in runs]}
 
 
-def arm_spec(path: str, rounds: int | None, endpoint_url: str, island_stores: dict[str, dict]):
+def arm_spec(path: str, rounds: int | None, endpoint_url: str, island_stores: dict[str, dict],
+             checkpoint_every: int | None = None):
     from infra.spec import load_spec, parse_spec
     raw = load_spec(path).model_dump(mode="json")
     raw["store"] = {**raw["store"], "url": "s3://archipelago/shaped", "endpoint_url": endpoint_url}
@@ -332,6 +354,8 @@ def arm_spec(path: str, rounds: int | None, endpoint_url: str, island_stores: di
             island["store"] = {**raw["store"], **island_stores[island["name"]]}
     if rounds:
         raw["sync"]["rounds"] = rounds
+    if checkpoint_every:
+        raw["sync"]["checkpoint_every"] = checkpoint_every
     return parse_spec(raw)
 
 
@@ -425,7 +449,48 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
         "utilisation_round_loop": computing / (computing + syncing),
         "bpb": bpb, "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
         "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
+        "store_retries": sum(s.store.get("retries", 0) for s in summaries),
     }
+
+
+def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers: dict, endpoint_url: str) -> dict:
+    """The butterfly arm once more, with the last island's own store frozen (SIGSTOP: its connections
+    stay open and nothing answers) `outage_s` seconds from `outage_after_s` after the learners start,
+    then thawed: its partners record missed exchanges, its own learners wait and retry."""
+    island = plan.ends[-1].island
+    if island not in island_servers:
+        raise SystemExit("--outage-s needs the islands' own stores (drop --one-store)")
+    pid = island_servers[island].pid
+    from infra.spec import parse_spec
+
+    raw = arm_spec(job["configs"]["butterfly"], job["rounds"], endpoint_url, island_stores,
+                   job["checkpoint_every"]).model_dump(mode="json")
+    # A partner that cannot be reached for this long is an exchange missed, not a round stalled.
+    spec = parse_spec({**raw, "sync": {**raw["sync"], "partner_timeout_s": OUTAGE_PARTNER_TIMEOUT_S}})
+    window: dict[str, float] = {}
+    began = time.monotonic()
+
+    def freeze_then_thaw() -> None:
+        time.sleep(job["outage_after_s"])
+        os.killpg(pid, signal.SIGSTOP)
+        window["from_s"] = time.monotonic() - began
+        try:
+            time.sleep(job["outage_s"])
+        finally:
+            os.killpg(pid, signal.SIGCONT)
+            window["to_s"] = time.monotonic() - began
+
+    log(f"outage drill: {island}'s store frozen {job['outage_s']} s from {job['outage_after_s']} s into the run")
+    drill = threading.Thread(target=freeze_then_thaw, daemon=True)
+    drill.start()
+    try:
+        result = run_islands(spec, plan, OUTAGE_ARM)
+    finally:
+        drill.join()
+    result["outage"] = {"island": island, **window, "seconds": window["to_s"] - window["from_s"]}
+    log(f"outage drill done: {json.dumps(headline(result))}, missed exchanges {result['missed_exchanges']}, "
+        f"store retries {result['store_retries']}")
+    return result
 
 
 def steady_utilisation(summaries: list, round_ends: dict[int, list[float]]) -> float:

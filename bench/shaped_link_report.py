@@ -118,6 +118,8 @@ def write_reports(document: dict, out: Path = RESULTS) -> str:
 
     text = markdown(document)
     out.with_suffix(".md").write_text(text)
+    if out.resolve() != RESULTS.resolve():  # another run's results (a drill, one arm): not the README's
+        return text
     splice_into_readme(text, begin=README_TABLE_BEGIN, end=README_TABLE_END)
     if any("predicted" in arm for arm in document["arms"].values()):
         splice_into_readme("\n".join(["#", *planned_markdown(document)]), begin=README_BEGIN, end=README_END)
