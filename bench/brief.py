@@ -114,6 +114,7 @@ class BriefArm:
                                "batch_size": rows_per_round // east["inner_steps"], "seq_len": east["seq_len"],
                                "inner_steps": east["inner_steps"]}]
             raw["sync"]["mode"] = "allreduce"
+            raw["sync"].pop("inter_island_every", None)  # one learner: no islands to cross
             raw["sync"].setdefault("transport", {})["compression"] = "none"
             raw["sync"]["transport"]["tau"] = min(raw["sync"]["transport"].get("tau", 0), east["inner_steps"])
         return raw
