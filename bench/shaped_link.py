@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=None,
                         help="override the islands arms' sync.checkpoint_every (default: each config's)")
     parser.add_argument("--rate-mbit", type=float, default=None, help="link rate; default matched to the brief")
+    parser.add_argument("--dp-utilisation", type=float, default=None,
+                        help="shape the link so that per-step all-reduce computes this share of the time (e.g. 0.15, "
+                             "as a 32B model's data parallelism over 25 Gbit/s would), from the step calibrated here")
     parser.add_argument("--dp-max-steps", type=int, default=None,
                         help="run only this many standard-arm steps and extrapolate its wall time and bytes")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each arm, interleaved arm by arm")
@@ -198,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parameters = build_model(reference).parameter_counts()["total"]
     step_seconds = calibrate_step_seconds(reference)
     matched = dp_matched_rate_bps(parameters * FP32, step_seconds)
-    rate = args.rate_mbit * 1e6 if args.rate_mbit else matched
-    rate_info = {"rate_bps": int(rate), "chosen": "override" if args.rate_mbit else "dp_matched",
+    if args.rate_mbit and args.dp_utilisation:
+        raise SystemExit("--rate-mbit and --dp-utilisation both set the rate: give one")
+    rate = args.rate_mbit * 1e6 if args.rate_mbit else \
+        dp_need_bps(parameters * FP32, step_seconds, args.dp_utilisation) if args.dp_utilisation else matched
+    chosen = "override" if args.rate_mbit else f"dp_utilisation {args.dp_utilisation}" if args.dp_utilisation \
+        else "dp_matched"
+    rate_info = {"rate_bps": int(rate), "chosen": chosen,
                  "dp_matched_rate_bps": matched, "brief_literal_rate_bps": brief_scaled_rate_bps(parameters),
                  "dp_need_at_95pct_bps": dp_need_bps(parameters * FP32, step_seconds),
                  "calibrated_step_seconds": step_seconds, "parameters": parameters}
