@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import fcntl
 import json
 import statistics
 import sys
@@ -44,7 +43,7 @@ import torch
 import yaml
 
 from bench import quality
-from bench.islands import Log
+from bench.islands import Log, cpu_lock
 from infra.spec import RunSpec, parse_spec
 
 RESULTS = Path("bench/results/brief")
@@ -157,11 +156,8 @@ def run_one(arm: BriefArm, results: dict[str, dict], log: Log) -> dict:
     if same:
         log(f"arm {arm.name}: the same run spec as {same['arm']}, its result reused")
         return {**same, "arm": arm.name, "kind": arm.kind, "same_run_as": same["arm"]}
-    CPU_LOCK.touch(exist_ok=True)
-    with CPU_LOCK.open() as lock:
-        waited = time.monotonic()
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        log(f"arm {arm.name}: CPU lock taken after {time.monotonic() - waited:.0f} s")
+    with cpu_lock(CPU_LOCK) as waited:
+        log(f"arm {arm.name}: CPU lock taken after {waited:.0f} s")
         result = quality.run_arm(arm, log)
     result.update(spec_fingerprint=fingerprint(spec), islands=[i.model_dump(mode="json") for i in spec.islands],
                   candidate=arm.candidate)

@@ -1,9 +1,13 @@
 """A run's learners without Prefect: each its own OS process, as the lifecycle runs them, with a
-progress log that a benchmark keeps beside its results."""
+progress log that a benchmark keeps beside its results; a fresh run in a store; the CPU lock that
+benchmarks sharing two cores take turns with; planned-against-measured as a relative change."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -24,6 +28,38 @@ class Log:
         print(line, flush=True)
         self.file.write(line + "\n")
         self.file.flush()
+
+
+def new_run(spec: RunSpec, arm: str):
+    """A fresh run in the spec's store with its spec and data; returns (run id, store, manifest)."""
+    from infra import layout
+    from training.data import prepare_dataset
+    run_id = f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    store = run_store(spec.store, run_id)
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    return run_id, store, prepare_dataset(spec, store)
+
+
+@contextlib.contextmanager
+def cpu_lock(path: str | Path | None):
+    """Hold the lock file `path` (none when None) while one arm trains, so that benchmarks sharing the
+    cores take turns arm by arm; yields the seconds spent waiting for it."""
+    if path is None:
+        yield 0.0
+        return
+    Path(path).touch(exist_ok=True)
+    with open(path) as lock:
+        waited = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield time.monotonic() - waited
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def relative_change(value: float, reference: float) -> str:
+    """`value` against `reference`, in percent (e.g. planned against measured)."""
+    return f"{(value / reference - 1) * 100:+.1f}%" if reference else "n/a"
 
 
 def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> dict:

@@ -25,17 +25,14 @@ the figure and the README section from them. Each arm's training holds /work/cpu
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
-import secrets
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.islands import Log, train_islands
+from bench.islands import Log, cpu_lock, new_run, relative_change, train_islands
 from bench.quality import splice_into_readme
 
 RESULTS = Path("bench/results/scaling")
@@ -71,16 +68,10 @@ def per_learner_round(totals: list[float], rounds: int) -> float:
 
 def measure(spec, log: Log) -> dict:
     """Train the arm's learners; their counters per learner and round, and the planner's."""
-    from infra import layout
-    from infra.store import run_store
-    from training.data import prepare_dataset
     from training.ledger import read_summaries
     from training.planner import replay
 
-    run_id = f"{spec.name}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    store = run_store(spec.store, run_id)
-    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-    prepare_dataset(spec, store)
+    run_id, store, _ = new_run(spec, "scaling")
     began = time.monotonic()
     train_islands(spec, run_id, log)
     wall = time.monotonic() - began
@@ -109,20 +100,6 @@ def measure(spec, log: Log) -> dict:
     }
 
 
-@contextlib.contextmanager
-def held(lock_path: str | None):
-    """The shared CPU lock for one arm's training, when a path is given."""
-    if lock_path is None:
-        yield
-        return
-    with open(lock_path, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 def run_arms(sizes: list[int], rounds: int, lock_path: str | None, log: Log) -> None:
     from infra.seaweed import seaweed_server
 
@@ -135,7 +112,7 @@ def run_arms(sizes: list[int], rounds: int, lock_path: str | None, log: Log) -> 
         began = time.monotonic()
         for done, (mode, n) in enumerate(todo):
             log(f"arm {mode} N={n} ({done + 1}/{len(todo)})")
-            with held(lock_path):
+            with cpu_lock(lock_path):
                 result = measure(spec_for(mode, n, rounds, server.endpoint_url), log)
             arm_path(mode, n, rounds).write_text(json.dumps(result, indent=1) + "\n")
             elapsed = time.monotonic() - began
@@ -152,10 +129,6 @@ def load_arms() -> list[dict]:
                   key=lambda a: (a["mode"], a["learners"]))
 
 
-def off_by(measured: float, planned: float) -> str:
-    return "0.0%" if measured == planned else f"{(measured / planned - 1) * 100:+.1f}%" if planned else "n/a"
-
-
 def table_markdown(arms: list[dict]) -> str:
     lines = ["# Exchange cost per learner and round against the number of learners", "",
              "Measured: the learners' own transport counters (`python -m bench.scaling`). Planned: "
@@ -169,9 +142,9 @@ def table_markdown(arms: list[dict]) -> str:
         m, p = a["measured"], a["planned"]
         lines.append(
             f"| {a['mode']} | {a['learners']} | {m['requests']:.2f} / {p['requests']:.2f} "
-            f"({off_by(m['requests'], p['requests'])}) | {m['polls']:.2f} / {p['polls']:.2f} | "
-            f"{m['bytes_written']:,.0f} ({off_by(m['bytes_written'], p['bytes_written'])}) | "
-            f"{m['bytes_read']:,.0f} / {p['bytes_read']:,.0f} ({off_by(m['bytes_read'], p['bytes_read'])}) | "
+            f"({relative_change(m['requests'], p['requests'])}) | {m['polls']:.2f} / {p['polls']:.2f} | "
+            f"{m['bytes_written']:,.0f} ({relative_change(m['bytes_written'], p['bytes_written'])}) | "
+            f"{m['bytes_read']:,.0f} / {p['bytes_read']:,.0f} ({relative_change(m['bytes_read'], p['bytes_read'])}) | "
             f"{m['seconds_syncing']:.3f} / {p['seconds_syncing']:.3f} | {a['missed_exchanges']} |")
     lines += ["", "![exchange cost against N](bench/results/scaling/scaling.png)", ""]
     return "\n".join(lines)

@@ -59,7 +59,6 @@ import contextlib
 import json
 import math
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -72,6 +71,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.islands import new_run
 from bench.netns import (IslandEnd, LinkPlan, existing_namespaces, link_bytes, log, require_root_and_tools, run_checked,
                          run_concurrently, teardown)
 from bench.shaped_link_report import headline, write_reports
@@ -367,17 +367,6 @@ def arm_spec(path: str, rounds: int | None, endpoint_url: str, island_stores: di
     return parse_spec(raw)
 
 
-def new_run(spec, arm: str):
-    """A fresh run in the store with its spec and data; returns (run id, store, manifest)."""
-    from infra import layout
-    from infra.store import run_store
-    from training.data import prepare_dataset
-    run_id = f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-    store = run_store(spec.store, run_id)
-    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-    return run_id, store, prepare_dataset(spec, store)
-
-
 def relay(prefix: str):
     def on_line(line: str) -> None:
         print(f"  {prefix} {line}", flush=True)
@@ -388,8 +377,7 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     from eval.evaluate import heldout_bpb
     from eval.report import allreduce_equivalent, store_bytes
     from infra import layout
-    from infra.launch import LearnerProcess, run_learner
-    from infra.launch import threads_per_process
+    from infra.launch import LearnerProcess, run_learner, threads_per_process
     from training.baseline import BaselinePlan
     from training.consolidate import consolidate
     from training.ledger import read_summaries

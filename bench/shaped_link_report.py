@@ -10,6 +10,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from bench.islands import relative_change
+
 RESULTS = Path("bench/results/shaped_link.json")
 README_BEGIN = "<!-- plan-vs-shaped-link: written by `python -m bench.shaped_link_report` from bench/results/shaped_link.json -->"
 README_END = "<!-- /plan-vs-shaped-link -->"
@@ -87,10 +89,6 @@ def markdown(document: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def off_by(planned: float, measured: float) -> str:
-    return f"{(planned / measured - 1) * 100:+.1f}%"
-
-
 def planned_markdown(document: dict) -> list[str]:
     """The planner against each arm's runs: utilisation and wall time (target: within 10% of the
     measured median) and inter-island exchange bytes (within 2% of the learners' counts)."""
@@ -105,10 +103,10 @@ def planned_markdown(document: dict) -> list[str]:
         utilisation, wall = statistics.median(arm["utilisation"]), statistics.median(arm["wall_s"])
         counted = statistics.median(arm["exchange_bytes_counted"])
         lines.append(
-            f"| {name} | {p['utilisation']:.1%} / {utilisation:.1%} ({off_by(p['utilisation'], utilisation)}) "
+            f"| {name} | {p['utilisation']:.1%} / {utilisation:.1%} ({relative_change(p['utilisation'], utilisation)}) "
             f"[{', '.join(f'{u:.1%}' for u in arm['utilisation'])}] | {p['wall_s']:.1f} / {wall:.1f} "
-            f"({off_by(p['wall_s'], wall)}) [{', '.join(f'{w:.1f}' for w in arm['wall_s'])}] | "
-            f"{p['exchange_bytes']:,} / {counted:,.0f} ({off_by(p['exchange_bytes'], counted)}) |")
+            f"({relative_change(p['wall_s'], wall)}) [{', '.join(f'{w:.1f}' for w in arm['wall_s'])}] | "
+            f"{p['exchange_bytes']:,} / {counted:,.0f} ({relative_change(p['exchange_bytes'], counted)}) |")
     return lines
 
 
