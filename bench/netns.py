@@ -129,6 +129,52 @@ def run_concurrently(plan: LinkPlan, calls: list[tuple]) -> tuple[float, dict]:
     return time.monotonic() - began, link_bytes(before, plan.counters(), plan)
 
 
+# Ethernet (14), IPv4 (20) and TCP with timestamps (32): what each segment adds on the veth.
+SEGMENT_HEADER_BYTES = 66
+
+
+class ConnectionBytes:
+    """Bytes on the wire of the TCP connections that a peer address opens to a local port, read from
+    the kernel's own per-socket counters (`ss -ti`) every `every_s` seconds on a thread: payload both
+    ways, retransmissions included, plus the headers of every segment. A connection opened and closed
+    between two readings is missed, so the figure is a floor."""
+
+    def __init__(self, port: int, peer: str, every_s: float = 0.25):
+        self.port, self.peer, self.every_s = port, peer, every_s
+        self.seen: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
+
+    def __enter__(self) -> "ConnectionBytes":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+    def _sample_until_stopped(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.sample()
+
+    def sample(self) -> None:
+        listed = subprocess.run(["ss", "-tinH", "state", "all", f"( sport = :{self.port} )"],
+                                capture_output=True, text=True).stdout.splitlines()
+        for head, info in zip(listed, listed[1:]):
+            fields = head.split()
+            if head[:1].isspace() or len(fields) < 5 or not fields[4].startswith(f"{self.peer}:"):
+                continue
+            counters = {k: int(v) for k, v in re.findall(r"\b(bytes_sent|bytes_received|segs_out|segs_in):(\d+)", info)}
+            on_wire = counters.get("bytes_sent", 0) + counters.get("bytes_received", 0) + SEGMENT_HEADER_BYTES * (
+                counters.get("segs_out", 0) + counters.get("segs_in", 0))
+            self.seen[fields[4]] = max(self.seen.get(fields[4], 0), on_wire)
+
+
 def require_root_and_tools() -> None:
     if os.geteuid() != 0:
         raise SystemExit("bench/shaped_link.py must run as root: it creates network namespaces and tc qdiscs")

@@ -27,7 +27,15 @@ with its own credentials (`islands[].store`, see infra/stores.py), so its learne
 checkpoints and messages stay on its side and only what a learner reads from the other island's
 store crosses the link. `--one-store` puts every island on the first island's store instead, as a
 single bucket at one site would: then the remote island's checkpoint writes, message writes and
-shard reads cross the link too, and the results split them out. Each arm runs `--repeats` times
+shard reads cross the link too, and the results split them out.
+
+The sites. A Prefect server runs in the first island's namespace, bound to its end of the link, and
+each island has its own process worker, started inside its namespace, polling that server (the
+second island's worker over the link). An islands arm asks for a run of each island's `segment`
+deployment, the one `make ui` registers; the island's worker executes it and its learners start
+there, so the driver never launches a learner, and Prefect's own traffic (polls, task states, logs)
+crosses the link and is counted in its bytes. The standard arm's two gloo ranks are not learners:
+the driver starts each inside its island's namespace. Each arm runs `--repeats` times
 (default 3), arm by arm within each repeat, and the results keep every run's figures.
 
 The rate. Scaling the brief literally (32 B parameters over 25 Gbit/s, i.e. 0.78 bit/s per
@@ -72,7 +80,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.islands import new_run
-from bench.netns import (IslandEnd, LinkPlan, existing_namespaces, link_bytes, log, require_root_and_tools, run_checked,
+from bench.netns import (ConnectionBytes, IslandEnd, LinkPlan, existing_namespaces, link_bytes, log, require_root_and_tools, run_checked,
                          run_concurrently, teardown)
 from bench.shaped_link_report import headline, write_reports
 
@@ -170,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="after the arms, run the butterfly arm once more with the last island's store "
                              "frozen this many seconds (the outage drill)")
     parser.add_argument("--outage-after-s", type=float, default=15,
-                        help="when the drill's outage starts, in seconds after its learners start")
+                        help="when the drill's outage starts, in seconds after its segments are asked for")
     parser.add_argument("--out", default=str(RESULTS / "shaped_link.json"))
     parser.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -287,6 +295,10 @@ def drive(job: dict) -> int:
             predicted["standard"] = predict_standard(
                 arm_spec(job["configs"]["standard"], job["rounds"], server.endpoint_url, {}), plan.rate_bps,
                 job["rate"]["calibrated_step_seconds"], predicted.get("allreduce", next(iter(predicted.values()))))
+        islands_arms = [arm for arm in job["arms"] if arm != "standard"]
+        api_url = servers.enter_context(island_sites(plan, arm_spec(
+            job["configs"][islands_arms[0]], job["rounds"], server.endpoint_url, island_stores),
+            Path(job["workdir"]))) if islands_arms else None
         runs: dict[str, list[dict]] = {arm: [] for arm in job["arms"]}
         for repeat in range(job["repeats"]):  # arm by arm within a repeat, so arms compare side by side
             for arm in job["arms"]:
@@ -295,11 +307,11 @@ def drive(job: dict) -> int:
                                 job["checkpoint_every"] if arm != "standard" else None)
                 log(f"arm {arm}, run {repeat + 1}/{job['repeats']}: {job['configs'][arm]}, {spec.sync.rounds} rounds")
                 result = run_standard(spec, plan, job["dp_max_steps"]) if arm == "standard" else \
-                    run_islands(spec, plan, arm)
+                    run_islands(spec, plan, arm, api_url)
                 runs[arm].append(result)
                 log(f"arm {arm} run {repeat + 1} done: {json.dumps(headline(result))}")
         if job["outage_s"]:
-            runs[OUTAGE_ARM] = [outage_drill(job, plan, island_stores, island_servers, server.endpoint_url)]
+            runs[OUTAGE_ARM] = [outage_drill(job, plan, island_stores, island_servers, server.endpoint_url, api_url)]
     configs = {**job["configs"], OUTAGE_ARM: job["configs"].get("butterfly")}
     results = {arm: {**arm_result(configs[arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
                                                                      else {})} for arm, arm_runs in runs.items()}
@@ -373,11 +385,35 @@ def relay(prefix: str):
     return on_line
 
 
-def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
+@contextlib.contextmanager
+def island_sites(plan: LinkPlan, spec, workdir: Path):
+    """The islands as separate sites: a Prefect server in the first island's namespace, bound to its
+    end of the link, and per island a worker polling that server from inside the island's own namespace
+    (over the link, for the second island). The island's `segment` deployment, the one `make ui`
+    registers, runs on that worker, so its learners start there. Yields the server's API URL."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.serve import prefect_server, register, workers
+    from tasks.segments import island_pool
+
+    port = free_port(plan.server.address)
+    with prefect_server(port, workdir / "prefect-home", workdir, host=plan.server.address) as api_url, \
+            temporary_settings({PREFECT_API_URL: api_url}):
+        register(spec)
+        pools = {island_pool(end.island): plan.exec_in(end.island) for end in plan.ends}
+        with workers(list(pools), api_url, workdir, wrappers=pools):
+            log(f"Prefect server {api_url} in {plan.server.namespace}; a worker per island in its namespace: "
+                f"{', '.join(pools)} (logs in {workdir})")
+            yield api_url
+
+
+def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from eval.evaluate import heldout_bpb
     from eval.report import allreduce_equivalent, store_bytes
     from infra import layout
-    from infra.launch import LearnerProcess, run_learner, threads_per_process
+    from tasks.segments import run_segment
     from training.baseline import BaselinePlan
     from training.consolidate import consolidate
     from training.ledger import read_summaries
@@ -385,29 +421,23 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
 
     run_id, store, manifest = new_run(spec, arm)
     shard_bytes = {s["learner"]: s["object"]["nbytes"] for s in manifest["shards"]}
-    threads = threads_per_process(spec)
-    walls: dict[int, float] = {}
-    round_ends: dict[int, list[float]] = {slot.index: [] for slot in spec.learners}
+    segments: dict[str, dict] = {}
     errors: list[BaseException] = []
 
-    def learner(slot) -> None:
-        process = LearnerProcess(slot.index, slot.island.processes_per_learner, threads,
-                                 wrapper=plan.exec_in(slot.island.name))
-        show = relay(f"{arm}/{slot.island.name}/L{slot.index}")
-
-        def on_line(line: str) -> None:
-            if '"event": "round"' in line:
-                round_ends[slot.index].append(time.monotonic())
-            show(line)
-
-        began = time.monotonic()
+    def island(end: IslandEnd) -> None:
         try:
-            run_learner(process, spec.store.url, spec.store.endpoint_url, run_id, on_line)
-        except BaseException as err:  # re-raised below, once every learner has ended
+            with temporary_settings({PREFECT_API_URL: api_url}):  # settings are per thread
+                flow_run = run_segment(spec, run_id, end.island)
+            segments[end.island] = {"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name,
+                                    "seconds": flow_run.total_run_time.total_seconds()}
+            log(f"  {arm}/{end.island}: segment {flow_run.name} done on work pool {flow_run.work_pool_name} "
+                f"in {segments[end.island]['seconds']:.1f} s")
+        except BaseException as err:  # re-raised below, once every island has ended
             errors.append(err)
-        walls[slot.index] = time.monotonic() - began
 
-    wall, measured = run_concurrently(plan, [(learner, slot) for slot in spec.learners])
+    # Prefect's traffic between the second island's worker and flow runs and the server: measured apart.
+    with ConnectionBytes(int(api_url.rsplit(":", 1)[1].split("/")[0]), plan.ends[1].address) as control_plane:
+        wall, measured = run_concurrently(plan, [(island, end) for end in plan.ends])
     if errors:
         raise errors[0]
     consensus = consolidate(spec, store)
@@ -428,20 +458,20 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     return {
         "run_id": run_id, "sync_mode": spec.sync.mode, "rounds": spec.sync.rounds, "learners": len(summaries),
         "tokens": sum(s.tokens for s in summaries),
-        "wall_seconds": wall, "learner_wall_seconds": walls,
+        "wall_seconds": wall, "segments": segments,
         "inter_island_bytes_measured": measured,
+        "control_plane_bytes": control_plane.total,
         "inter_island_bytes_counted": sum(s.bytes_read_inter for s in summaries),
         "remote_island_store_payload": payload,
         "per_store": store_bytes(summaries),
-        # The link less what island-local checkpoints and shards keep off it: the exchanges as the
-        # store placement carries them (with HTTP, polling and TCP overhead).
-        "inter_island_bytes_exchanges": measured["total"] - (
+        # The link less Prefect's traffic and what island-local checkpoints and shards keep off it: the
+        # exchanges as the store placement carries them (with HTTP, polling and TCP overhead).
+        "inter_island_bytes_exchanges": measured["total"] - control_plane.total - (
             payload["checkpoints_written"] + payload["shards_read"] if payload else 0),
         "project_allreduce_estimate_bytes": allreduce_equivalent(
             spec, parameters, BaselinePlan.of(spec).steps)["inter_island_bytes"],
         "seconds_computing": computing, "seconds_syncing": syncing,
-        "utilisation": steady_utilisation(summaries, round_ends),
-        "utilisation_process_wall": computing / sum(walls.values()),
+        "utilisation": steady_utilisation(summaries),
         "utilisation_round_loop": computing / (computing + syncing),
         "bpb": bpb, "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
         "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
@@ -449,7 +479,8 @@ def run_islands(spec, plan: LinkPlan, arm: str) -> dict:
     }
 
 
-def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers: dict, endpoint_url: str) -> dict:
+def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers: dict, endpoint_url: str,
+                 api_url: str) -> dict:
     """The butterfly arm once more, with the last island's own store frozen (SIGSTOP: its connections
     stay open and nothing answers) `outage_s` seconds from `outage_after_s` after the learners start,
     then thawed: its partners record missed exchanges, its own learners wait and retry."""
@@ -480,7 +511,7 @@ def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers:
     drill = threading.Thread(target=freeze_then_thaw, daemon=True)
     drill.start()
     try:
-        result = run_islands(spec, plan, OUTAGE_ARM)
+        result = run_islands(spec, plan, OUTAGE_ARM, api_url)
     finally:
         drill.join()
     result["outage"] = {"island": island, **window, "seconds": window["to_s"] - window["from_s"]}
@@ -489,12 +520,12 @@ def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers:
     return result
 
 
-def steady_utilisation(summaries: list, round_ends: dict[int, list[float]]) -> float:
+def steady_utilisation(summaries: list) -> float:
     """Compute seconds over wall seconds from the end of each learner's first round to the end of its
     last: every inner step, exchange, outer step and checkpoint in between, but not process start-up
-    (imports, shards) nor the first round's wait for slower-starting peers."""
+    (Prefect's flow run, imports, shards) nor the first round's wait for slower-starting peers."""
     computing = sum(r["compute_s"] for s in summaries for r in s.rounds[1:])
-    wall = sum(ends[-1] - ends[0] for ends in round_ends.values())
+    wall = sum(s.rounds[-1]["ended_at"] - s.rounds[0]["ended_at"] for s in summaries)
     return computing / wall
 
 
@@ -587,6 +618,9 @@ def targets(results: dict) -> dict:
         out["butterfly_link_over_exchanges"] = statistics.median(
             link / counted for link, counted in zip(results["butterfly"]["link_bytes"],
                                                     results["butterfly"]["exchange_bytes_counted"]))
+        out["butterfly_link_less_prefect_over_exchanges"] = statistics.median(
+            (r["inter_island_bytes_measured"]["total"] - r["control_plane_bytes"]) / r["inter_island_bytes_counted"]
+            for r in results["butterfly"]["runs"])
     return out
 
 

@@ -28,7 +28,8 @@ def markdown(document: dict) -> str:
     link = document["link"]
     arms = document["arms"]
     evals = sorted({name for arm in arms.values() for name in (arm["runs"][0]["bpb"] or {})})
-    header = ["arm", "config", "runs", "wall s", "link bytes (veth, both ways)", "of which exchanges", "counted bytes",
+    header = ["arm", "config", "runs", "wall s", "link bytes (veth, both ways)", "of which Prefect",
+              "of which exchanges", "counted bytes",
               "link / counted", "utilisation (per run)", "compute/(compute+sync)"] + [f"bpb {e}" for e in evals]
     rows = []
     for name, arm in arms.items():
@@ -42,6 +43,7 @@ def markdown(document: dict) -> str:
         rows.append([name + (" (extrapolated)" if runs[0].get("extrapolated") else ""), f"`{arm['config']}`",
                      str(len(runs)), f"{statistics.median(arm['wall_s']):.0f}",
                      f"{statistics.median(arm['link_bytes']):,.0f}",
+                     f"{median(lambda r: r['control_plane_bytes']):,.0f}" if "control_plane_bytes" in runs[0] else "-",
                      f"{median(lambda r: r['inter_island_bytes_exchanges']):,.0f}", f"{counted:,.0f}",
                      f"{statistics.median(arm['link_bytes']) / counted:.2f}" if counted else "-",
                      f"{statistics.median(arm['utilisation']):.1%} ("
@@ -77,10 +79,14 @@ def markdown(document: dict) -> str:
     if "butterfly_utilisation" in t:
         lines += [f"Butterfly utilisation {t['butterfly_utilisation']:.1%} (target {t['utilisation_target']:.0%}); "
                   f"its link bytes are {t['butterfly_link_over_exchanges']:.2f}x the exchange bytes its learners "
-                  "counted (target: within 1.10x)."]
-    lines += ["", "Columns. *link bytes*: both directions of the veth pair, headers included. *of which exchanges*: "
-              "with one store, the link less the remote island's checkpoint writes and start-up shard reads; with a "
-              "store per island, the link itself; standard, its step loop only. *counted*: islands arms, the "
+                  "counted (target: within 1.10x)"
+                  + (f"; less Prefect's own traffic, {t['butterfly_link_less_prefect_over_exchanges']:.2f}x."
+                     if "butterfly_link_less_prefect_over_exchanges" in t else ".")]
+    lines += ["", "Columns. *link bytes*: both directions of the veth pair, headers included. *of which Prefect*: "
+              "the second island's worker and flow runs talking to the Prefect server in the first island's namespace "
+              "(polls, task states, logs, progress), from the kernel's per-connection counters sampled every 0.25 s "
+              "(a floor). *of which exchanges*: the link less Prefect's traffic and, with one store, less the remote "
+              "island's checkpoint writes and start-up shard reads; standard, its step loop only. *counted*: islands arms, the "
               "learners' own inter-island message reads; standard, 2 x gradient bytes per step. *utilisation*: "
               "learner compute seconds over wall seconds from the end of each learner's first round to the end of "
               "its last (standard: compute over each rank's step-loop wall); *compute/(compute+sync)*: the "

@@ -70,28 +70,31 @@ def _started(command: list[str], env: dict, log: Path):
 
 
 @contextmanager
-def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: float = 120):
-    """A local `prefect server` on loopback; yields its API URL."""
+def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: float = 120, host: str = "127.0.0.1"):
+    """A `prefect server` bound to `host` (loopback, or an address inside a namespace of the caller's
+    own, as the shaped-link bench gives its first island); yields its API URL."""
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_HOST": "127.0.0.1",
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_HOST": host,
            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
-    api_url = f"http://127.0.0.1:{port}/api"
+    api_url = f"http://{host}:{port}/api"
     with _started([sys.executable, "-m", "prefect", "server", "start"], env, log_dir / "prefect-server.log"):
         wait_healthy(api_url, startup_timeout_s)
         yield api_url
 
 
 @contextmanager
-def workers(pools: list[str], api_url: str, log_dir: Path):
-    """One process worker per work pool, each polling every 2 s."""
+def workers(pools: list[str], api_url: str, log_dir: Path, wrappers: dict[str, tuple[str, ...]] | None = None):
+    """One process worker per work pool, each polling every 2 s. `wrappers[pool]`: a command prefix
+    the pool's worker starts under (the shaped-link bench starts each island's worker inside the
+    island's network namespace, so its flow runs and learners live there)."""
     env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "2",
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO_ROOT)}
     with ExitStack() as stack:
         for pool in pools:
             stack.enter_context(_started(
-                [sys.executable, "-m", "prefect", "worker", "start", "--pool", pool, "--type", "process",
-                 "--name", f"{pool}-worker"], env, log_dir / f"worker-{pool}.log"))
+                [*(wrappers or {}).get(pool, ()), sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
+                 "--type", "process", "--name", f"{pool}-worker"], env, log_dir / f"worker-{pool}.log"))
         yield
 
 

@@ -8,6 +8,7 @@ carries the ledger, so a restarted learner's totals still count its earlier live
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 from infra import layout
@@ -19,7 +20,7 @@ class Ledger:
     bytes_written: int = 0  # messages
     bytes_read_intra: int = 0
     bytes_read_inter: int = 0
-    checkpoint_bytes: int = 0
+    checkpoint_bytes: int = 0  # checkpoints, and the weights-only objects of the bpb curve's rounds
     objects_retired: int = 0  # checkpoints and messages no one will read again (training/retention.py)
     seconds_computing: float = 0.0
     seconds_syncing: float = 0.0
@@ -34,8 +35,10 @@ class Ledger:
     def book_round(self, round_index: int, fragment: int, loss: float, compute_s: float, sync_s: float) -> None:
         self.seconds_computing += compute_s
         self.seconds_syncing += sync_s
+        # `ended_at` (Unix seconds): a benchmark that starts learners through Prefect workers, and so never
+        # sees their output, still times their rounds from the summary.
         self.rounds.append({"round": round_index, "loss": loss, "compute_s": compute_s, "sync_s": sync_s,
-                            "fragment": fragment})
+                            "fragment": fragment, "ended_at": time.time()})
 
     def book_exchange(self, round_index: int, fragment: int, result, blocked_s: float) -> None:
         """What an applied exchange (a `training.sync.ExchangeResult`) sent, read and missed."""
