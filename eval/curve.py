@@ -1,7 +1,9 @@
 """Bits per byte along training, for both arms: the points of the bpb-versus-tokens plot.
 
-Islands: the token-weighted mean of the learners' checkpoints after a round (what consolidation
-would produce then). Standard training: its snapshots at the step whose token count matches.
+Islands: the token-weighted mean of the learners' weights after a round (what consolidation
+would produce then), read from the weights-only objects learners commit for these rounds
+(`layout.curve_weights`): their checkpoints of them may be retired by now. Standard training: its
+snapshots at the step whose token count matches.
 Intermediate points are scored on the first `CURVE_EVAL_BYTES` of each held-out set, to keep
 them cheap; the report's table scores every held-out byte of the final models.
 """
@@ -27,8 +29,8 @@ def _islands_model(spec: RunSpec, store, round_index: int):
     stores = RunStores(spec, store)
     weights, tokens = [], []
     for slot in spec.learners:
-        key = layout.checkpoint(slot.index, round_index)
-        if not stores.learner(slot.index).is_committed(key):
+        key = layout.curve_weights(slot.index, round_index)
+        if not stores.learner(slot.index).is_committed(key):  # e.g. it rejoined from a peer past this round
             continue
         try:
             weights.append(stores.learner(slot.index).read_committed(key)[0]["weights"])

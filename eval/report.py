@@ -49,8 +49,8 @@ def communication(spec: RunSpec, summaries: list[LearnerSummary], parameters: in
 
 def store_bytes(summaries: list[LearnerSummary]) -> dict:
     """Per store (its URL): message bytes written to it and read from it, and checkpoint bytes written
-    to it, summed over learners. With islands on stores of their own, what crosses between sites is
-    what one island reads from another's store."""
+    to it (the bpb curve's weights-only objects included), summed over learners. With islands on
+    stores of their own, what crosses between sites is what one island reads from another's store."""
     totals: dict[str, dict] = {}
 
     def row(url: str) -> dict:

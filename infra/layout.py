@@ -53,6 +53,13 @@ def checkpoint(learner: int, round_index: int) -> str:
     return f"{round_prefix(learner, round_index)}/checkpoint"
 
 
+def curve_weights(learner: int, round_index: int) -> str:
+    """A learner's weights alone after a round the bpb curve scores: all the curve reads of that round,
+    a third of a checkpoint's bytes or less (no optimizer moments, anchors or residual), so that
+    round's checkpoint is retired like any other."""
+    return f"{round_prefix(learner, round_index)}/curve-weights"
+
+
 def liveness_prefix(learner: int) -> str:
     """Where a learner's lives are recorded, apart from its rounds so a partner lists them cheaply."""
     return f"liveness/learner-{learner:03d}"

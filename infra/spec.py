@@ -226,14 +226,13 @@ class SyncSpec(SpecModel):
                                      description="Fragments, overlap, compression and bandwidth of the exchanges.")
     checkpoint_every: int = Field(
         1, ge=1, le=MAX_STEPS,
-        description="Rounds between a learner's checkpoints; the last round, the rounds the bpb curve scores and a "
-                    "round a capacity window ends after are always checkpointed. A restart replays at most this "
-                    "many rounds.")
+        description="Rounds between a learner's checkpoints; the last round and a round a capacity window ends "
+                    "after are always checkpointed. A restart replays at most this many rounds.")
     keep_checkpoints: int | None = Field(
         2, ge=1, le=MAX_STEPS,
-        description="Newest committed checkpoints each learner keeps (besides the bpb curve's rounds); older ones "
-                    "are retired, and so is a message once every learner that could read it has committed a "
-                    "checkpoint of a later round. Empty: keep everything.")
+        description="Newest committed checkpoints each learner keeps; older ones are retired, and so is a "
+                    "message once every learner that could read it has committed a checkpoint of a later round. "
+                    "The bpb curve's rounds keep their weights alone, whatever this says. Empty: keep everything.")
 
 
     @model_validator(mode="after")

@@ -155,7 +155,9 @@ def test_an_island_pauses_at_its_window_end_and_resumes_in_its_next_window(tmp_p
     summary = store.get_json(layout.learner_summary(0))
     assert [r["round"] for r in summary["rounds"]] == [0, 1, 2, 3]  # no committed round lost or redone
     assert summary["rejoined_from"] == {"learner": 0, "round": 1}
-    assert all(store.is_committed(layout.checkpoint(0, t)) for t in range(4))
+    # The newest two checkpoints are kept; the bpb curve scores every round of four, from their weights alone.
+    assert layout.checkpoint_rounds(store.list(layout.learner_prefix(0))) == [2, 3]
+    assert all(store.is_committed(layout.curve_weights(0, t)) for t in range(4))
 
 
 def test_an_island_out_of_windows_fails_saying_so(tmp_path, prefect_api):

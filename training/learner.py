@@ -9,7 +9,8 @@ A round: H AdamW steps from the anchor, then this round's fragment goes to the e
 (`training.sync`), which sends and receives on the transport thread while the next round
 computes; the exchange is applied `sync.transport.tau` inner steps later (at once with tau 0).
 Then a checkpoint of the whole state (`training.state`), an exchange in flight included, so a
-restarted learner resumes from it and applies that exchange exactly once. A learner stops
+restarted learner resumes from it and applies that exchange exactly once; after the rounds the bpb
+curve scores, the weights alone as well, which outlive the round's checkpoint. A learner stops
 before a round that would not end inside its capacity window; the next window's segment resumes it.
 """
 
@@ -64,12 +65,11 @@ class Learner:
                                    skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
         self.ledger = Ledger()
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.device)
-        # The bpb curve scores the learners' checkpoints of these rounds once training is over.
+        # The bpb curve scores the learners' weights after these rounds once training is over.
         self.curve_rounds = set(curve_rounds(spec.sync.rounds))
         self.checkpoints = Checkpointer(self.store, self.transport, self.ledger,
                                         spec.sync.transport.checkpoint_in_background,
-                                        Retention(self.stores.learner, index, len(spec.learners), spec.sync.keep_checkpoints,
-                                                  pinned=self.curve_rounds))
+                                        Retention(self.stores.learner, index, len(spec.learners), spec.sync.keep_checkpoints))
         self.checkpointed = -1  # the newest round this life has checkpointed
         self.pending: Exchange | None = None
         self._sync_seconds = 0.0
@@ -177,12 +177,16 @@ class Learner:
         # including any wait for a message still on the link.
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
                                time.monotonic() - round_started - self._sync_seconds, self._sync_seconds)
+        # Before the checkpoint: a learner resumed from that checkpoint never comes back to this round.
+        if self.rank == 0 and t in self.curve_rounds:
+            self.checkpoints.write_curve_weights(layout.curve_weights(self.slot.index, t),
+                                                 flat_parameters(self.model).cpu(), {"round": t})
         if self.rank == 0 and self._checkpoint_due(t):
             self._checkpoint(t)
         return loss
 
     def _checkpoint_due(self, t: int) -> bool:
-        return (t + 1) % self.spec.sync.checkpoint_every == 0 or t == self.spec.sync.rounds - 1 or t in self.curve_rounds
+        return (t + 1) % self.spec.sync.checkpoint_every == 0 or t == self.spec.sync.rounds - 1
 
     def _checkpoint(self, t: int) -> None:
         tensors, meta = self.state.state_dict(self.pending)

@@ -1,10 +1,13 @@
-"""What a learner keeps in its store: its newest checkpoints, and the messages a peer may still read.
+"""What a learner keeps in its store: its newest checkpoints, the weights the bpb curve scores, and
+the messages a peer may still read.
 
 Every round adds a message, and every `sync.checkpoint_every` rounds a checkpoint; kept for good,
 they would grow with every round the run lasts. After each checkpoint it commits, a learner retires
 
-  * its checkpoints older than the newest `sync.keep_checkpoints` committed ones, except those of
-    the rounds the bpb curve scores (the report reads them once training is over);
+  * its checkpoints older than the newest `sync.keep_checkpoints` committed ones, those of the
+    rounds the bpb curve scores included: the curve reads the weights-only objects of those rounds
+    (`layout.curve_weights`), which are never retired: the curve is scored once training is over,
+    and they are `schedule.CURVE_POINTS` per learner however many rounds the run lasts;
   * its messages of rounds before its own oldest kept checkpoint, once every other learner has
     checkpointed that round or a later one. A restarted learner resumes from its newest checkpoint
     (or, if that one does not verify, an older kept one) and reads only messages of that round and
@@ -24,10 +27,9 @@ from infra.store import ObjectStore, StoreError
 
 
 class Retention:
-    def __init__(self, store_of: Callable[[int], ObjectStore], learner: int, learners: int, keep: int | None,
-                 pinned: set[int]):
+    def __init__(self, store_of: Callable[[int], ObjectStore], learner: int, learners: int, keep: int | None):
         """`store_of(i)`: the store holding learner i's objects (see infra/stores.py)."""
-        self.store_of, self.learner, self.learners, self.keep, self.pinned = store_of, learner, learners, keep, pinned
+        self.store_of, self.learner, self.learners, self.keep = store_of, learner, learners, keep
 
     def after_checkpoint(self) -> int:
         """Retire what no one will read again; returns the objects removed."""
@@ -37,8 +39,7 @@ class Retention:
         mine = store.list(layout.learner_prefix(self.learner))
         rounds = sorted(layout.checkpoint_rounds(mine))
         kept = rounds[-self.keep:]
-        removed = sum(store.retire(layout.checkpoint(self.learner, t), mine)
-                      for t in rounds if t not in kept and t not in self.pinned)
+        removed = sum(store.retire(layout.checkpoint(self.learner, t), mine) for t in rounds if t not in kept)
         # Messages before our oldest kept checkpoint go once every other learner has reached it.
         floor = min(kept, default=-1)
         if not all(self._reached(peer, floor) for peer in range(self.learners) if peer != self.learner):

@@ -82,6 +82,14 @@ class Checkpointer:
         copies = {name: tensor.clone() for name, tensor in tensors.items()}
         self._in_flight = self.transport.submit("checkpoint", self.store.commit_tensors, key, copies, meta)
 
+    def write_curve_weights(self, key: str, weights: torch.Tensor, meta: dict) -> None:
+        """Commit the weights alone of a round the bpb curve scores (`layout.curve_weights`), in the
+        foreground: a few per run, and small. A round replayed after a restart may mix other messages
+        and end on other weights; the first commit stands (objects are written once), and the replay
+        writes none."""
+        if not self.store.is_committed(key):
+            self.ledger.checkpoint_bytes += self.store.commit_tensors(key, {"weights": weights}, meta)
+
     def finish(self) -> None:
         if self._in_flight is not None:
             written, self._in_flight = self._in_flight, None
