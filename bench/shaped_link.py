@@ -93,6 +93,11 @@ FP32 = 4
 RESULTS = Path("bench/results")
 OUTAGE_ARM = "butterfly-outage"
 OUTAGE_PARTNER_TIMEOUT_S = 5.0
+# Prefect's server, workers and flow-run processes would run on hosts' CPUs beside the accelerators,
+# not on them; here they share the learners' two cores. Each starts its own session, and the kernel
+# shares CPU between sessions (autogroups) before processes, so the session gets the lowest priority:
+# it takes what the learners leave. Learners start sessions of their own, at the normal priority.
+CONTROL_PLANE_PRIORITY = ("sh", "-c", 'echo 19 > /proc/self/autogroup && exec "$@"', "control-plane")
 
 
 # -- rate arithmetic ------------------------------------------------------------------------------
@@ -397,10 +402,11 @@ def island_sites(plan: LinkPlan, spec, workdir: Path):
     from tasks.segments import island_pool
 
     port = free_port(plan.server.address)
-    with prefect_server(port, workdir / "prefect-home", workdir, host=plan.server.address) as api_url, \
+    with prefect_server(port, workdir / "prefect-home", workdir, host=plan.server.address,
+                        wrapper=CONTROL_PLANE_PRIORITY) as api_url, \
             temporary_settings({PREFECT_API_URL: api_url}):
         register(spec)
-        pools = {island_pool(end.island): plan.exec_in(end.island) for end in plan.ends}
+        pools = {island_pool(end.island): (*plan.exec_in(end.island), *CONTROL_PLANE_PRIORITY) for end in plan.ends}
         with workers(list(pools), api_url, workdir, wrappers=pools):
             log(f"Prefect server {api_url} in {plan.server.namespace}; a worker per island in its namespace: "
                 f"{', '.join(pools)} (logs in {workdir})")
@@ -472,6 +478,7 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
             spec, parameters, BaselinePlan.of(spec).steps)["inter_island_bytes"],
         "seconds_computing": computing, "seconds_syncing": syncing,
         "utilisation": steady_utilisation(summaries),
+        "round_ends_s": round_ends(summaries),
         "utilisation_round_loop": computing / (computing + syncing),
         "bpb": bpb, "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
         "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
@@ -521,12 +528,24 @@ def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers:
 
 
 def steady_utilisation(summaries: list) -> float:
-    """Compute seconds over wall seconds from the end of each learner's first round to the end of its
-    last: every inner step, exchange, outer step and checkpoint in between, but not process start-up
-    (Prefect's flow run, imports, shards) nor the first round's wait for slower-starting peers."""
-    computing = sum(r["compute_s"] for s in summaries for r in s.rounds[1:])
-    wall = sum(s.rounds[-1]["ended_at"] - s.rounds[0]["ended_at"] for s in summaries)
+    """Compute seconds over wall seconds once every learner has finished its first round: for each
+    learner, from the end of its first round that ends at or after that moment to the end of its
+    last, with every inner step, exchange, outer step and checkpoint in between. Left out is start-up:
+    Prefect's flow runs (each island's worker picks its segment up at its own next poll), imports,
+    shards, and the wait of a learner that started early for partners that had not."""
+    everyone_started = max(s.rounds[0]["ended_at"] for s in summaries)
+    computing = wall = 0.0
+    for s in summaries:
+        steady = [r for r in s.rounds if r["ended_at"] >= everyone_started]
+        computing += sum(r["compute_s"] for r in steady[1:])
+        wall += steady[-1]["ended_at"] - steady[0]["ended_at"]
     return computing / wall
+
+
+def round_ends(summaries: list) -> dict[int, list[float]]:
+    """Each learner's round end times, in seconds after the first learner's first round ended."""
+    zero = min(s.rounds[0]["ended_at"] for s in summaries)
+    return {s.learner: [round(r["ended_at"] - zero, 2) for r in s.rounds] for s in summaries}
 
 
 def free_port(address: str) -> int:

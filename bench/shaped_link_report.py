@@ -88,8 +88,8 @@ def markdown(document: dict) -> str:
               "(a floor). *of which exchanges*: the link less Prefect's traffic and, with one store, less the remote "
               "island's checkpoint writes and start-up shard reads; standard, its step loop only. *counted*: islands arms, the "
               "learners' own inter-island message reads; standard, 2 x gradient bytes per step. *utilisation*: "
-              "learner compute seconds over wall seconds from the end of each learner's first round to the end of "
-              "its last (standard: compute over each rank's step-loop wall); *compute/(compute+sync)*: the "
+              "learner compute seconds over wall seconds once every learner has finished its first round, to the end "
+              "of each learner's last (standard: compute over each rank's step-loop wall); *compute/(compute+sync)*: the "
               "learners' own split, which leaves out checkpoint writes. Learners share 2 CPU cores with each other "
               "and with other work on the machine."]
     return "\n".join(lines) + "\n"

@@ -70,15 +70,17 @@ def _started(command: list[str], env: dict, log: Path):
 
 
 @contextmanager
-def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: float = 120, host: str = "127.0.0.1"):
+def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: float = 120, host: str = "127.0.0.1",
+                   wrapper: tuple[str, ...] = ()):
     """A `prefect server` bound to `host` (loopback, or an address inside a namespace of the caller's
-    own, as the shaped-link bench gives its first island); yields its API URL."""
+    own, as the shaped-link bench gives its first island), started under the command prefix
+    `wrapper`; yields its API URL."""
     home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_HOST": host,
            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     api_url = f"http://{host}:{port}/api"
-    with _started([sys.executable, "-m", "prefect", "server", "start"], env, log_dir / "prefect-server.log"):
+    with _started([*wrapper, sys.executable, "-m", "prefect", "server", "start"], env, log_dir / "prefect-server.log"):
         wait_healthy(api_url, startup_timeout_s)
         yield api_url
 
