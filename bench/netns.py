@@ -139,7 +139,7 @@ class ConnectionBytes:
     ways, retransmissions included, plus the headers of every segment. A connection opened and closed
     between two readings is missed, so the figure is a floor."""
 
-    def __init__(self, port: int, peer: str, every_s: float = 0.25):
+    def __init__(self, port: int, peer: str, every_s: float = 1.0):
         self.port, self.peer, self.every_s = port, peer, every_s
         self.seen: dict[str, int] = {}
         self._stop = threading.Event()

@@ -77,6 +77,7 @@ import tempfile
 import threading
 import time
 from dataclasses import asdict
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from bench.islands import new_run
@@ -93,6 +94,12 @@ FP32 = 4
 RESULTS = Path("bench/results")
 OUTAGE_ARM = "butterfly-outage"
 OUTAGE_PARTNER_TIMEOUT_S = 5.0
+WORKER_POLL_S = 5
+# An islands arm schedules both islands' segments this far ahead, as a capacity window's start would:
+# each worker picks its run up at a poll (Prefect prefetches 10 s) and starts its process, and Prefect
+# holds both flows to the same start. Started as soon as each worker polls, the islands began up to a
+# poll apart, and the early island's learners spent those seconds polling for partners across the link.
+SEGMENT_LEAD_S = 20.0
 # Prefect's server, workers and flow-run processes would run on hosts' CPUs beside the accelerators,
 # not on them; here they share the learners' two cores. Each starts its own session, and the kernel
 # shares CPU between sessions (autogroups) before processes, so the session gets the lowest priority:
@@ -407,7 +414,8 @@ def island_sites(plan: LinkPlan, spec, workdir: Path):
             temporary_settings({PREFECT_API_URL: api_url}):
         register(spec)
         pools = {island_pool(end.island): (*plan.exec_in(end.island), *CONTROL_PLANE_PRIORITY) for end in plan.ends}
-        with workers(list(pools), api_url, workdir, wrappers=pools):
+        # Not `make ui`'s 2 s: a poll from the second island crosses the link.
+        with workers(list(pools), api_url, workdir, wrappers=pools, query_seconds=WORKER_POLL_S):
             log(f"Prefect server {api_url} in {plan.server.namespace}; a worker per island in its namespace: "
                 f"{', '.join(pools)} (logs in {workdir})")
             yield api_url
@@ -430,18 +438,22 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
     segments: dict[str, dict] = {}
     errors: list[BaseException] = []
 
+    start_at = datetime.now(timezone.utc) + timedelta(seconds=SEGMENT_LEAD_S)
+
     def island(end: IslandEnd) -> None:
         try:
             with temporary_settings({PREFECT_API_URL: api_url}):  # settings are per thread
-                flow_run = run_segment(spec, run_id, end.island)
+                flow_run = run_segment(spec, run_id, end.island, start_at=start_at)
             segments[end.island] = {"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name,
-                                    "seconds": flow_run.total_run_time.total_seconds()}
+                                    "seconds": flow_run.total_run_time.total_seconds(),
+                                    "timeline_s": segment_timeline(flow_run, start_at)}
             log(f"  {arm}/{end.island}: segment {flow_run.name} done on work pool {flow_run.work_pool_name} "
                 f"in {segments[end.island]['seconds']:.1f} s")
         except BaseException as err:  # re-raised below, once every island has ended
             errors.append(err)
 
     # Prefect's traffic between the second island's worker and flow runs and the server: measured apart.
+    began = datetime.now(timezone.utc)
     with ConnectionBytes(int(api_url.rsplit(":", 1)[1].split("/")[0]), plan.ends[1].address) as control_plane:
         wall, measured = run_concurrently(plan, [(island, end) for end in plan.ends])
     if errors:
@@ -464,7 +476,8 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
     return {
         "run_id": run_id, "sync_mode": spec.sync.mode, "rounds": spec.sync.rounds, "learners": len(summaries),
         "tokens": sum(s.tokens for s in summaries),
-        "wall_seconds": wall, "segments": segments,
+        # From the segments' scheduled start, when both islands' flows began.
+        "wall_seconds": wall - (start_at - began).total_seconds(), "segments": segments,
         "inter_island_bytes_measured": measured,
         "control_plane_bytes": control_plane.total,
         "inter_island_bytes_counted": sum(s.bytes_read_inter for s in summaries),
@@ -484,6 +497,17 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
         "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
         "store_retries": sum(s.store.get("retries", 0) for s in summaries),
     }
+
+
+def segment_timeline(flow_run, start_at: datetime) -> dict[str, float]:
+    """When a segment's flow and each of its tasks started, in seconds after the scheduled start."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+    return {name: round((at - start_at).total_seconds(), 2) for name, at in
+            [("flow", flow_run.start_time), *((task.name, task.start_time) for task in tasks)] if at is not None}
 
 
 def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers: dict, endpoint_url: str,
@@ -542,10 +566,12 @@ def steady_utilisation(summaries: list) -> float:
     return computing / wall
 
 
-def round_ends(summaries: list) -> dict[int, list[float]]:
-    """Each learner's round end times, in seconds after the first learner's first round ended."""
+def round_ends(summaries: list) -> dict[int, dict]:
+    """Each learner's start (its first life's record) and round end times, in seconds after the first
+    learner's first round ended."""
     zero = min(s.rounds[0]["ended_at"] for s in summaries)
-    return {s.learner: [round(r["ended_at"] - zero, 2) for r in s.rounds] for s in summaries}
+    return {s.learner: {"started": round(datetime.fromisoformat(s.lives[0]["started_at"]).timestamp() - zero, 2),
+                        "rounds": [round(r["ended_at"] - zero, 2) for r in s.rounds]} for s in summaries}
 
 
 def free_port(address: str) -> int:

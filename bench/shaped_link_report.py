@@ -84,7 +84,7 @@ def markdown(document: dict) -> str:
                      if "butterfly_link_less_prefect_over_exchanges" in t else ".")]
     lines += ["", "Columns. *link bytes*: both directions of the veth pair, headers included. *of which Prefect*: "
               "the second island's worker and flow runs talking to the Prefect server in the first island's namespace "
-              "(polls, task states, logs, progress), from the kernel's per-connection counters sampled every 0.25 s "
+              "(polls, task states, logs, progress), from the kernel's per-connection counters sampled every second "
               "(a floor). *of which exchanges*: the link less Prefect's traffic and, with one store, less the remote "
               "island's checkpoint writes and start-up shard reads; standard, its step loop only. *counted*: islands arms, the "
               "learners' own inter-island message reads; standard, 2 x gradient bytes per step. *utilisation*: "

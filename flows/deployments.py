@@ -16,6 +16,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from infra import layout
+from infra.launch import yield_cpu_to_learners
 from infra.spec import RunSpec, check_windows_ahead
 from infra.store import run_store
 from tasks.credentials import load_credential_blocks
@@ -31,6 +32,7 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
     `until`: the window's end; a learner stops before a round that would not finish in time,
     with that round's predecessor checkpointed, and the next segment resumes from there.
     """
+    yield_cpu_to_learners()
     load_credential_blocks(spec)
     train = train_learner.with_options(result_storage=result_storage(spec.store))
     learners = [train.submit(spec, run_id, island, slot.index, until)

@@ -86,11 +86,12 @@ def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: floa
 
 
 @contextmanager
-def workers(pools: list[str], api_url: str, log_dir: Path, wrappers: dict[str, tuple[str, ...]] | None = None):
-    """One process worker per work pool, each polling every 2 s. `wrappers[pool]`: a command prefix
-    the pool's worker starts under (the shaped-link bench starts each island's worker inside the
+def workers(pools: list[str], api_url: str, log_dir: Path, wrappers: dict[str, tuple[str, ...]] | None = None,
+            query_seconds: float = 2):
+    """One process worker per work pool, each polling every `query_seconds`. `wrappers[pool]`: a command
+    prefix the pool's worker starts under (the shaped-link bench starts each island's worker inside the
     island's network namespace, so its flow runs and learners live there)."""
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": "2",
+    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO_ROOT)}
     with ExitStack() as stack:
         for pool in pools:

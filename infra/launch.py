@@ -16,6 +16,7 @@ use `lo`. The store is unauthenticated; it carries no pickles under the static r
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import runpy
@@ -27,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
@@ -111,6 +113,16 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
     if code not in (0, WINDOW_CLOSED):
         cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         raise LearnerFailed(f"learner {learner.learner} failed ({cause}); its last output:\n" + "\n".join(tail))
+
+
+def yield_cpu_to_learners() -> None:
+    """Give this process's session the lowest CPU priority. A process that only starts learners and
+    relays their output (an island's segment) should, where it shares cores with them, take only what
+    they leave. Linux shares CPU between sessions (autogroups) before processes, so the session's
+    priority is the one that counts; learners start sessions of their own at normal priority.
+    Without autogroups (another OS, a kernel without them) this does nothing."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/autogroup").write_text("19")
 
 
 def end_group(proc: subprocess.Popen) -> None:

@@ -17,7 +17,6 @@ from infra import layout
 from infra.spec import RunSpec
 from infra.store import run_store
 from infra.stores import RunStores
-from infra.windows import CapacityWindow
 from tasks.stage import stage
 
 SEGMENT_FLOW = "segment"
@@ -32,14 +31,16 @@ def segment_deployment(island: str) -> str:
     return f"{SEGMENT_FLOW}/{island_pool(island)}"
 
 
-def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, window: CapacityWindow | None = None):
-    """Segment `n` of an island, a run of its deployment on its work pool, from `window`'s start to its
-    end (None: now, until the learners finish); waits for it and returns the completed flow run."""
+def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, start_at: datetime | None = None,
+                until: datetime | None = None):
+    """Segment `n` of an island, a run of its deployment on its work pool, from `start_at` (None: now;
+    its worker may start the process earlier, Prefect holds the flow until then) until its learners
+    finish or `until`; waits for it and returns the completed flow run."""
     flow_run = run_deployment(
         segment_deployment(island),
         parameters={"spec": spec.model_dump(mode="json"), "run_id": run_id, "island": island,
-                    "until": window.end_at.isoformat() if window else None},
-        scheduled_time=window.start_at if window else None,
+                    "until": until.isoformat() if until else None},
+        scheduled_time=start_at,
         flow_run_name=f"{run_id}-{island}-window-{n}", poll_interval=2)
     if not flow_run.state.is_completed():
         raise RuntimeError(f"island {island}: segment {flow_run.name} on work pool {flow_run.work_pool_name} "
@@ -61,7 +62,8 @@ def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
             continue
         if window is not None:
             logger.info("segment %d of island %s scheduled for its window %s", n, island, window.describe())
-        flow_run = run_segment(spec, run_id, island, n, window)
+        flow_run = run_segment(spec, run_id, island, n, window.start_at if window else None,
+                               window.end_at if window else None)
         segments.append({"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name})
         if all(stores.learner(i).exists(layout.learner_summary(i)) for i in learners):
             logger.info("island %s finished in %d segment(s) on work pool %s", island, len(segments),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import datetime
 from uuid import UUID
@@ -21,9 +22,16 @@ from training import events
 from training.consolidate import consolidate
 
 
+# Rounds can take well under a second; each progress update is a request to the Prefect API, which
+# may sit across a slow link from the island.
+PROGRESS_EVERY_S = 10.0
+
+
 def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
-    """What becomes of each line a learner prints: its JSON events turn into log lines and progress,
-    anything else (a library's warning, a traceback, JSON that is not an event) is logged as text."""
+    """What becomes of each line a learner prints: its JSON events turn into log lines and progress
+    (updated at most every `PROGRESS_EVERY_S` seconds, and at the last round), anything else (a
+    library's warning, a traceback, JSON that is not an event) is logged as text."""
+    last_update = [0.0]
 
     def relay(line: str) -> None:
         event = events.parse(line)
@@ -33,7 +41,10 @@ def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
         if event["event"] == "round":
             logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
                         event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
-            update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
+            now = time.monotonic()
+            if now - last_update[0] >= PROGRESS_EVERY_S or event["round"] + 1 == event["rounds"]:
+                update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
+                last_update[0] = now
         elif event["event"] == "window_closed":
             logger.warning("capacity window ends %s: stopping before round %d/%d; the next window resumes here",
                            event["until"], event["next_round"] + 1, event["rounds"])

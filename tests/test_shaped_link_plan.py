@@ -1,4 +1,7 @@
-"""The shaped-link bench's pure parts: rate arithmetic and the namespace plan (no root needed)."""
+"""The shaped-link bench's parts that need no root: rate arithmetic, the namespace plan, the
+per-connection byte meter (on loopback) and the utilisation window."""
+
+import time
 
 import pytest
 
@@ -62,3 +65,55 @@ def test_link_bytes_are_each_ends_transmissions():
     after = {"east": {"tx_bytes": 1100, "rx_bytes": 310}, "west": {"tx_bytes": 305, "rx_bytes": 1095}}
     assert link_bytes(before, after, plan) == {"east_to_west": 1000, "west_to_east": 300, "total": 1300,
                                                "total_seen_by_receivers": 1300}
+
+
+def test_connection_bytes_count_one_peers_connections_to_a_port_from_the_kernel():
+    import socket
+    import threading
+
+    from bench.netns import SEGMENT_HEADER_BYTES, ConnectionBytes
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    sent, received = 200_000, 30_000
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            got = 0
+            while got < received:
+                got += len(conn.recv(65536))
+            conn.sendall(b"x" * sent)
+            conn.recv(1)  # hold the connection open until the client has read everything
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    with ConnectionBytes(port, "127.0.0.1", every_s=0.05) as meter, socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(b"y" * received)
+        got = 0
+        while got < sent:
+            got += len(client.recv(65536))
+        time.sleep(0.2)
+        meter.sample()
+        client.sendall(b"!")
+    thread.join()
+    server.close()
+    assert len(meter.seen) == 1
+    # payload both ways, plus a header per segment: more than the payload, less than twice it
+    assert sent + received + SEGMENT_HEADER_BYTES < meter.total < 2 * (sent + received)
+    assert ConnectionBytes(port, "10.0.0.9").seen == {}
+
+
+def test_steady_utilisation_starts_once_every_learner_has_finished_a_round():
+    from types import SimpleNamespace
+
+    from bench.shaped_link import steady_utilisation
+
+    def learner(ends: list[float], compute: float):
+        return SimpleNamespace(rounds=[{"ended_at": t, "compute_s": compute} for t in ends])
+
+    # Learner 0 started 5 s early and waited for learner 1 in its second round (ended at 6).
+    early = learner([1.0, 6.0, 7.0, 8.0], compute=0.9)
+    late = learner([5.0, 6.0, 7.0, 8.0], compute=0.9)
+    # Each counted from its first round ending at or after 5 s, when both had finished one: 4.5 compute s in 5 s.
+    assert steady_utilisation([early, late]) == pytest.approx(0.9)
