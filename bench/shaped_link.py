@@ -95,11 +95,12 @@ RESULTS = Path("bench/results")
 OUTAGE_ARM = "butterfly-outage"
 OUTAGE_PARTNER_TIMEOUT_S = 5.0
 WORKER_POLL_S = 5
-# An islands arm schedules both islands' segments this far ahead, as a capacity window's start would:
-# each worker picks its run up at a poll (Prefect prefetches 10 s) and starts its process, and Prefect
-# holds both flows to the same start. Started as soon as each worker polls, the islands began up to a
-# poll apart, and the early island's learners spent those seconds polling for partners across the link.
-SEGMENT_LEAD_S = 20.0
+# An islands arm schedules both islands' segments this far ahead, as a capacity window's start would,
+# and the workers prefetch that far: each picks its run up at its next poll and starts its process
+# (imports take seconds on busy cores), and Prefect holds both flows to the same start. Started as
+# soon as each worker polled, or picked up only 10 s ahead (Prefect's default prefetch), one island
+# began up to 8 s after the other, and its partners spent those seconds polling for it across the link.
+SEGMENT_LEAD_S = 30.0
 # Prefect's server, workers and flow-run processes would run on hosts' CPUs beside the accelerators,
 # not on them; here they share the learners' two cores. Each starts its own session, and the kernel
 # shares CPU between sessions (autogroups) before processes, so the session gets the lowest priority:
@@ -415,7 +416,8 @@ def island_sites(plan: LinkPlan, spec, workdir: Path):
         register(spec)
         pools = {island_pool(end.island): (*plan.exec_in(end.island), *CONTROL_PLANE_PRIORITY) for end in plan.ends}
         # Not `make ui`'s 2 s: a poll from the second island crosses the link.
-        with workers(list(pools), api_url, workdir, wrappers=pools, query_seconds=WORKER_POLL_S):
+        with workers(list(pools), api_url, workdir, wrappers=pools, query_seconds=WORKER_POLL_S,
+                     prefetch_seconds=SEGMENT_LEAD_S + WORKER_POLL_S):
             log(f"Prefect server {api_url} in {plan.server.namespace}; a worker per island in its namespace: "
                 f"{', '.join(pools)} (logs in {workdir})")
             yield api_url
