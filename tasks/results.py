@@ -18,6 +18,7 @@ import logging
 
 from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.cache_policies import INPUTS, TASK_SOURCE
+from prefect.exceptions import ObjectAlreadyExists
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from prefect.serializers import JSONSerializer
 
@@ -90,6 +91,9 @@ class RemoteJsonResults(_PlainJsonRecordsOnly, RemoteFileSystem):
     _block_type_name = "Archipelago Remote JSON Results"
 
 
+REGISTRATION_ATTEMPTS = 3
+
+
 def result_storage(store_spec):
     """A result storage block under `<store>/prefect-results`, saved so flows can reference it.
 
@@ -101,5 +105,18 @@ def result_storage(store_spec):
         block = RemoteJsonResults(basepath=f"{root}/prefect-results", settings=settings)
     else:
         block = LocalJsonResults(basepath=f"{root}/prefect-results")
-    block.save(f"archipelago-results-{hashlib.sha256(block.basepath.encode()).hexdigest()[:16]}", overwrite=True)
+    save_block(block, f"archipelago-results-{hashlib.sha256(block.basepath.encode()).hexdigest()[:16]}")
     return block
+
+
+def save_block(block, name: str) -> None:
+    """Save (or overwrite) a block document. Flows that start at the same moment (two islands'
+    segments at a shared window start) each register the block's type and schema when the API has
+    none yet: all but the first are refused, and find them registered when they try again."""
+    for attempt in range(REGISTRATION_ATTEMPTS):
+        try:
+            block.save(name, overwrite=True)
+            return
+        except ObjectAlreadyExists:
+            if attempt == REGISTRATION_ATTEMPTS - 1:
+                raise

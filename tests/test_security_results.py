@@ -259,3 +259,28 @@ def test_a_run_started_as_a_flow_run_is_named_by_its_flow_run_id(prefect_api, tm
     assert run_store(spec.store, f"ui-{flow_run_id.hex}").exists(layout.SPEC)
     assert flow_run_run_id(spec, flow_run_id) == f"ui-{flow_run_id.hex}" != flow_run_run_id(spec, uuid.uuid4())
     assert len(new_run_id(spec).rsplit("-", 1)[1]) == 16  # 64 random bits
+
+
+def test_flows_starting_together_all_save_their_result_storage(prefect_api, tmp_path):
+    """Blocks of a type the API has never seen, saved by several threads at once (as islands'
+    segments starting at one window start save their result storage): every save succeeds."""
+    from tasks.results import LocalJsonResults, save_block
+
+    fresh_type = type("FreshResults", (LocalJsonResults,), {"_block_type_name": f"Race {uuid.uuid4().hex[:8]}"})
+    start = threading.Barrier(6)
+    failures: list[BaseException] = []
+
+    def save(n: int) -> None:
+        start.wait()
+        try:
+            save_block(fresh_type(basepath=str(tmp_path / str(n))), f"race-{n}")
+        except BaseException as err:
+            failures.append(err)
+
+    savers = [threading.Thread(target=save, args=(n,)) for n in range(6)]
+    for saver in savers:
+        saver.start()
+    for saver in savers:
+        saver.join()
+    assert failures == []
+    assert fresh_type.load("race-5").basepath == str(tmp_path / "5")
