@@ -204,21 +204,15 @@ def test_concurrent_claims_of_a_free_run_have_exactly_one_winner(where, request,
         request.getfixturevalue("s3_env")
     root = f"s3://archipelago/race-{uuid.uuid4().hex[:8]}" if where == "s3" else str(tmp_path)
     store = ObjectStore(root).child("runs/race")
-    start = threading.Barrier(8)
     outcomes = []
 
     def claim(n):
-        start.wait()
         try:
             outcomes.append(RunLease.acquire(store, "race", {"claimant": str(n)}))
         except LeaseHeld as err:
             outcomes.append(err)
 
-    threads = [threading.Thread(target=claim, args=(n,)) for n in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    all_at_once(claim, 8)
     winners = [o for o in outcomes if isinstance(o, RunLease)]
     assert len(winners) == 1 and winners[0].term == 0
     winner = store.get_json("lease/000000/claim.json")["holder"]["claimant"]
@@ -267,20 +261,29 @@ def test_flows_starting_together_all_save_their_result_storage(prefect_api, tmp_
     from tasks.results import LocalJsonResults, save_block
 
     fresh_type = type("FreshResults", (LocalJsonResults,), {"_block_type_name": f"Race {uuid.uuid4().hex[:8]}"})
-    start = threading.Barrier(6)
     failures: list[BaseException] = []
 
     def save(n: int) -> None:
-        start.wait()
         try:
             save_block(fresh_type(basepath=str(tmp_path / str(n))), f"race-{n}")
         except BaseException as err:
             failures.append(err)
 
-    savers = [threading.Thread(target=save, args=(n,)) for n in range(6)]
-    for saver in savers:
-        saver.start()
-    for saver in savers:
-        saver.join()
+    all_at_once(save, 6)
     assert failures == []
     assert fresh_type.load("race-5").basepath == str(tmp_path / "5")
+
+
+def all_at_once(call, n: int) -> None:
+    """`call(0)` to `call(n - 1)`, each on its own thread, released together."""
+    start = threading.Barrier(n)
+
+    def released(k: int) -> None:
+        start.wait()
+        call(k)
+
+    threads = [threading.Thread(target=released, args=(k,)) for k in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
