@@ -79,6 +79,7 @@ import time
 from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from bench.islands import new_run
 from bench.netns import (ConnectionBytes, IslandEnd, LinkPlan, existing_namespaces, link_bytes, log, require_root_and_tools, run_checked,
@@ -448,7 +449,8 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
                 flow_run = run_segment(spec, run_id, end.island, start_at=start_at)
             segments[end.island] = {"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name,
                                     "seconds": flow_run.total_run_time.total_seconds(),
-                                    "timeline_s": segment_timeline(flow_run, start_at)}
+                                    # when the flow began, in seconds after its scheduled start
+                                    "timeline_s": {"flow": round((flow_run.start_time - start_at).total_seconds(), 2)}}
             log(f"  {arm}/{end.island}: segment {flow_run.name} done on work pool {flow_run.work_pool_name} "
                 f"in {segments[end.island]['seconds']:.1f} s")
         except BaseException as err:  # re-raised below, once every island has ended
@@ -456,7 +458,7 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
 
     # Prefect's traffic between the second island's worker and flow runs and the server: measured apart.
     began = datetime.now(timezone.utc)
-    with ConnectionBytes(int(api_url.rsplit(":", 1)[1].split("/")[0]), plan.ends[1].address) as control_plane:
+    with ConnectionBytes(urlsplit(api_url).port, plan.ends[1].address) as control_plane:
         wall, measured = run_concurrently(plan, [(island, end) for end in plan.ends])
     if errors:
         raise errors[0]
@@ -499,17 +501,6 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
         "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
         "store_retries": sum(s.store.get("retries", 0) for s in summaries),
     }
-
-
-def segment_timeline(flow_run, start_at: datetime) -> dict[str, float]:
-    """When a segment's flow and each of its tasks started, in seconds after the scheduled start."""
-    from prefect import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
-    return {name: round((at - start_at).total_seconds(), 2) for name, at in
-            [("flow", flow_run.start_time), *((task.name, task.start_time) for task in tasks)] if at is not None}
 
 
 def outage_drill(job: dict, plan: LinkPlan, island_stores: dict, island_servers: dict, endpoint_url: str,

@@ -31,9 +31,10 @@ def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
     """What becomes of each line a learner prints: its JSON events turn into log lines and progress
     (updated at most every `PROGRESS_EVERY_S` seconds, and at the last round), anything else (a
     library's warning, a traceback, JSON that is not an event) is logged as text."""
-    last_update = [0.0]
+    last_update = 0.0
 
     def relay(line: str) -> None:
+        nonlocal last_update
         event = events.parse(line)
         if event is None:
             logger.info("%s", line)
@@ -42,9 +43,9 @@ def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
             logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
                         event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
             now = time.monotonic()
-            if now - last_update[0] >= PROGRESS_EVERY_S or event["round"] + 1 == event["rounds"]:
+            if now - last_update >= PROGRESS_EVERY_S or event["round"] + 1 == event["rounds"]:
                 update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
-                last_update[0] = now
+                last_update = now
         elif event["event"] == "window_closed":
             logger.warning("capacity window ends %s: stopping before round %d/%d; the next window resumes here",
                            event["until"], event["next_round"] + 1, event["rounds"])
