@@ -34,7 +34,9 @@ each island has its own process worker, started inside its namespace, polling th
 second island's worker over the link). An islands arm asks for a run of each island's `segment`
 deployment, the one `make ui` registers; the island's worker executes it and its learners start
 there, so the driver never launches a learner, and Prefect's own traffic (polls, task states, logs)
-crosses the link and is counted in its bytes. The standard arm's two gloo ranks are not learners:
+crosses the link and is counted in its bytes. Each island's worker, and with it its segments and
+learners, runs on cores of its own (half the machine's), as separate sites' would; the servers run
+on any. The standard arm's two gloo ranks are not learners:
 the driver starts each inside its island's namespace. Each arm runs `--repeats` times
 (default 3), arm by arm within each repeat, and the results keep every run's figures.
 
@@ -95,7 +97,11 @@ FP32 = 4
 RESULTS = Path("bench/results")
 OUTAGE_ARM = "butterfly-outage"
 OUTAGE_PARTNER_TIMEOUT_S = 5.0
-WORKER_POLL_S = 5
+# Prefect across the link, for the second island: its worker polls every 10 s (its runs are scheduled
+# ahead, so a quicker poll only starts their processes sooner) and its flow runs ship logs in 10 s
+# batches (Prefect's default, 2 s, is a request every 2 s while learners log every round).
+WORKER_POLL_S = 10
+LOG_BATCH_S = 10
 # An islands arm schedules both islands' segments this far ahead, as a capacity window's start would,
 # and the workers prefetch that far: each picks its run up at its next poll and starts its process
 # (imports take seconds on busy cores), and Prefect holds both flows to the same start. Started as
@@ -103,9 +109,12 @@ WORKER_POLL_S = 5
 # began up to 8 s after the other, and its partners spent those seconds polling for it across the link.
 SEGMENT_LEAD_S = 30.0
 # Prefect's server, workers and flow-run processes would run on hosts' CPUs beside the accelerators,
-# not on them; here they share the learners' two cores. Each starts its own session, and the kernel
+# not on them; here they share the learners' cores. Each starts its own session, and the kernel
 # shares CPU between sessions (autogroups) before processes, so the session gets the lowest priority:
 # it takes what the learners leave. Learners start sessions of their own, at the normal priority.
+# With the islands' processes on the same cores, one island's learners, started first, left the other
+# island's segment (at that priority) next to no CPU until they waited on it: the second island's
+# learners began 6 to 10 s after the first's. Hence `island_cores`.
 CONTROL_PLANE_PRIORITY = ("sh", "-c", 'echo 19 > /proc/self/autogroup && exec "$@"', "control-plane")
 
 
@@ -399,6 +408,16 @@ def relay(prefix: str):
     return on_line
 
 
+def island_cores(n: int, islands: int) -> tuple[str, ...]:
+    """A command prefix that keeps island `n`'s processes (its worker, segments and learners) on cores of
+    its own, as separate sites' would be; with fewer cores than islands, none."""
+    cores = os.cpu_count() or 1
+    if cores < islands:
+        return ()
+    share = cores // islands
+    return ("taskset", "-c", ",".join(str(c) for c in range(n * share, (n + 1) * share)))
+
+
 @contextlib.contextmanager
 def island_sites(plan: LinkPlan, spec, workdir: Path):
     """The islands as separate sites: a Prefect server in the first island's namespace, bound to its
@@ -415,10 +434,11 @@ def island_sites(plan: LinkPlan, spec, workdir: Path):
                         wrapper=CONTROL_PLANE_PRIORITY) as api_url, \
             temporary_settings({PREFECT_API_URL: api_url}):
         register(spec)
-        pools = {island_pool(end.island): (*plan.exec_in(end.island), *CONTROL_PLANE_PRIORITY) for end in plan.ends}
+        pools = {island_pool(end.island): (*plan.exec_in(end.island), *island_cores(n, len(plan.ends)),
+                                           *CONTROL_PLANE_PRIORITY) for n, end in enumerate(plan.ends)}
         # Not `make ui`'s 2 s: a poll from the second island crosses the link.
         with workers(list(pools), api_url, workdir, wrappers=pools, query_seconds=WORKER_POLL_S,
-                     prefetch_seconds=SEGMENT_LEAD_S + WORKER_POLL_S):
+                     prefetch_seconds=SEGMENT_LEAD_S + WORKER_POLL_S, log_batch_seconds=LOG_BATCH_S):
             log(f"Prefect server {api_url} in {plan.server.namespace}; a worker per island in its namespace: "
                 f"{', '.join(pools)} (logs in {workdir})")
             yield api_url
@@ -485,6 +505,10 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
         "inter_island_bytes_measured": measured,
         "control_plane_bytes": control_plane.total,
         "inter_island_bytes_counted": sum(s.bytes_read_inter for s in summaries),
+        # Requests across the link with a store per island: per message read, its commit (brought by
+        # the last of its polls) and its parts.
+        "inter_island_messages_read": sum(s.links["inter"]["messages_read"] for s in summaries),
+        "inter_island_polls": sum(s.links["inter"]["polls"] for s in summaries),
         "remote_island_store_payload": payload,
         "per_store": store_bytes(summaries),
         # The link less Prefect's traffic and what island-local checkpoints and shards keep off it: the

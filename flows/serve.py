@@ -87,14 +87,16 @@ def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: floa
 
 @contextmanager
 def workers(pools: list[str], api_url: str, log_dir: Path, wrappers: dict[str, tuple[str, ...]] | None = None,
-            query_seconds: float = 2, prefetch_seconds: float = 10):
+            query_seconds: float = 2, prefetch_seconds: float = 10, log_batch_seconds: float = 2):
     """One process worker per work pool, each polling every `query_seconds` for runs scheduled up to
     `prefetch_seconds` ahead (it starts their processes early; Prefect holds each flow to its scheduled
-    start). `wrappers[pool]`: a command prefix the pool's worker starts under (the shaped-link bench
+    start); its flow runs send their logs to the API in batches every `log_batch_seconds`.
+    `wrappers[pool]`: a command prefix the pool's worker starts under (the shaped-link bench
     starts each island's worker inside the island's network namespace, so its flow runs and learners
     live there)."""
     env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
            "PREFECT_WORKER_PREFETCH_SECONDS": str(prefetch_seconds),
+           "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": str(log_batch_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO_ROOT)}
     with ExitStack() as stack:
         for pool in pools:

@@ -92,7 +92,9 @@ def s3_filesystem(endpoint_url: str | None, retry: RetryPolicy, credentials_env:
     """An s3fs filesystem that makes one attempt per call: `retry` (infra/retry.py) is the only
     retry loop, so its budget bounds a call instead of botocore's and s3fs's retries under it.
     Credentials: from <credentials_env>_AWS_* when given, else the standard AWS chain."""
-    options: dict = {"use_listings_cache": False, "config_kwargs": {
+    # max_concurrency 1: a read is one GET. Above 1, s3fs first asks an object's size (a HEAD, a
+    # second request across the link for every message read) to fetch big objects in ranges.
+    options: dict = {"use_listings_cache": False, "max_concurrency": 1, "config_kwargs": {
         "retries": {"total_max_attempts": 1},
         "connect_timeout": min(_CONNECT_TIMEOUT_S, retry.budget_s),
         "read_timeout": min(_READ_TIMEOUT_S, retry.budget_s),

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import os
 import re
 import time
@@ -108,6 +107,11 @@ class ObjectRef:
 
 # A poll gets at least this long to answer, so that a wait with no time left still looks once.
 _MIN_POLL_BUDGET_S = 1.0
+# `give_up` may itself read the store (a peer's liveness records, across the link from a partner on
+# another island): a wait asks it once it has lasted a second, then every few seconds, so that the
+# short waits of a run in step cost no more than their polls.
+_GIVE_UP_AFTER_S = 1.0
+_GIVE_UP_EVERY_S = 3.0
 
 
 class ObjectStore:
@@ -231,11 +235,11 @@ class ObjectStore:
         """Fault injection: the next object written gets damaged bytes under the true checksum."""
         self._shared.corrupt_next = True
 
-    def get_bytes(self, key: str, expected_sha256: str | None = None) -> bytes:
+    def get_bytes(self, key: str, expected_sha256: str | None = None, policy: RetryPolicy | None = None) -> bytes:
         """Read an object; with a checksum, re-read a damaged transfer a few times before giving up."""
         for attempt in range(3):
             try:
-                data = self._call(f"get {key} from", self.fs.cat_file, self._path(key))
+                data = self._call(f"get {key} from", self.fs.cat_file, self._path(key), policy=policy)
             except FileNotFoundError:
                 raise ObjectMissing(f"object {key} not found in {self.url}") from None
             if expected_sha256 is None or sha256(data) == expected_sha256:
@@ -276,37 +280,41 @@ class ObjectStore:
                 os.rmdir(self._path(folder))
         return removed
 
-    def wait_for(self, key: str, timeout_s: float, poll_s: float = 0.05,
-                 give_up: Callable[[], bool] = lambda: False, on_poll: Callable[[], None] = lambda: None) -> bool:
-        """Whether `key` exists within `timeout_s`; stop early once `give_up()` says it never will.
-        `on_poll` is told of every existence check, for the caller's request count."""
+    def wait_for_json(self, key: str, timeout_s: float, poll_s: float = 0.05,
+                      give_up: Callable[[], bool] = lambda: False,
+                      on_poll: Callable[[], None] = lambda: None) -> tuple[dict, int] | None:
+        """The JSON document `key` and its size once it exists, within `timeout_s`; None if it did not
+        appear, or once `give_up()` says it never will. `on_poll` is told of every look, for the
+        caller's request count. Each look is one GET: a look that finds the document has it, where an
+        existence check would take a second request (and on S3 a miss costs a HEAD and a listing)."""
         deadline = time.monotonic() + timeout_s
-        asked = -math.inf
+        asked = time.monotonic() - _GIVE_UP_EVERY_S + _GIVE_UP_AFTER_S
         while True:
             on_poll()
-            if self._exists_by(key, deadline):
-                return True
-            # `give_up` may itself read the store (a peer's liveness records): asked once a second at most.
-            if time.monotonic() - asked >= 1.0:
+            found = self._json_by(key, deadline)
+            if found is not None:
+                return found
+            if time.monotonic() - asked >= _GIVE_UP_EVERY_S:
                 asked = time.monotonic()
                 if give_up():
-                    return self._exists_by(key, deadline)  # it may have landed just before the reason to give up
+                    return self._json_by(key, deadline)  # it may have landed just before the reason to give up
             if time.monotonic() >= deadline:
-                return False
+                return None
             time.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 1.0)
 
-    def _exists_by(self, key: str, deadline: float) -> bool:
-        """One poll of a wait: its retries end with the wait, so a store that has gone away costs the
+    def _json_by(self, key: str, deadline: float) -> tuple[dict, int] | None:
+        """One look of a wait: its retries end with the wait, so a store that has gone away costs the
         waiter its deadline (and the socket timeout of a request under way), not the retry budget."""
         budget = min(self.retry.budget_s, max(deadline - time.monotonic(), _MIN_POLL_BUDGET_S))
         try:
-            return self._call(f"exists {key} in", self.fs.exists, self._path(key),
-                              policy=dataclasses.replace(self.retry, budget_s=budget))
+            return self._get_json_sized(key, dataclasses.replace(self.retry, budget_s=budget))
+        except ObjectMissing:
+            return None
         except StoreUnavailable:
             if time.monotonic() < deadline:
                 raise
-            return False
+            return None
 
     # -- typed objects ------------------------------------------------------------------------
 
@@ -317,9 +325,9 @@ class ObjectStore:
     def get_json(self, key: str) -> dict:
         return self._get_json_sized(key)[0]
 
-    def _get_json_sized(self, key: str) -> tuple[dict, int]:
+    def _get_json_sized(self, key: str, policy: RetryPolicy | None = None) -> tuple[dict, int]:
         for _ in range(3):  # a damaged transfer heals on re-read; a damaged object does not
-            raw = self.get_bytes(key)
+            raw = self.get_bytes(key, policy=policy)
             body = _verified_json_body(raw)
             if body is not None:
                 return body, len(raw)

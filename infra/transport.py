@@ -59,8 +59,8 @@ class LinkCounters:
     messages_written: int = 0
     messages_read: int = 0
     # Store requests of the exchange: `requests` write or read a message's objects and commits (as many
-    # as its size and chunking fix, so the planner predicts them); `polls` ask whether a peer's commit
-    # is there yet (one when it already is; more the longer the reader waits on the peer).
+    # as its size and chunking fix, so the planner predicts them); `polls` are GETs of a peer's commit,
+    # the last of which brings it (one when it is already there; more the longer the reader waits).
     requests: int = 0
     polls: int = 0
     seconds_transferring: float = 0.0
@@ -114,6 +114,8 @@ class Transport:
         rates = bytes_per_s or {}
         self.budgets = {link: LinkBudget(rates.get(link), clock, sleep) for link in LINK_CLASSES}
         self.counters = {link: LinkCounters() for link in LINK_CLASSES}
+        # Peers' commits fetched by the look that found them, until their message is read.
+        self._commits: dict[str, tuple[dict, int]] = {}
         self._queue: list[tuple[int, int, Callable, Future]] = []
         self._order = itertools.count()
         self._ready = threading.Condition()
@@ -201,7 +203,9 @@ class Transport:
         The commit is a peer's word: it may only point at its own message's objects, and at no more
         than `max_bytes` of them, or nothing is read (MalformedMessage)."""
         source = self._source(key)
-        meta, meta_bytes = self._timed(link, lambda: source._get_json_sized(f"{key}.json"), size=lambda r: r[1])
+        commit = self._commits.pop(key, None)
+        meta, meta_bytes = commit or self._timed(link, lambda: source._get_json_sized(f"{key}.json"),
+                                                 size=lambda r: r[1])
         refs = _message_refs(key, meta, max_bytes)
         data = b"".join(self._timed(link, lambda ref=ref: source.get_bytes(ref.key, ref.sha256))
                         for ref in refs)
@@ -209,17 +213,21 @@ class Transport:
         self.counters[link].bytes_read += nbytes
         self._count(source, "read", nbytes)
         self.counters[link].messages_read += 1
-        self.counters[link].requests += len(refs) + 1
+        self.counters[link].requests += len(refs) + (commit is None)
         try:
             return load_safetensors(data), meta, nbytes
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
             raise MalformedMessage(f"message {key}: not a safetensors payload ({err})") from None
 
     def wait_for_message(self, key: str, link: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
-        """Whether a message's commit appeared within `timeout_s`; False at once when `give_up()` says so."""
+        """Whether a message's commit appeared within `timeout_s`; False at once when `give_up()` says so.
+        The look that finds the commit fetches it, and `get_message` reads the message from it."""
         def polled() -> None:
             self.counters[link].polls += 1
-        return self._source(key).wait_for(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled)
+        commit = self._source(key).wait_for_json(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled)
+        if commit is not None:
+            self._commits[key] = self._timed(link, lambda: commit, size=lambda r: r[1])
+        return commit is not None
 
     def _source(self, key: str) -> ObjectStore:
         return self.store if self.read_from is None else self.read_from(layout.learner_of(key))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -22,16 +23,18 @@ from training import events
 from training.consolidate import consolidate
 
 
-# Rounds can take well under a second; each progress update is a request to the Prefect API, which
-# may sit across a slow link from the island.
+# Rounds can take well under a second; each progress update and each batch of log lines is a request
+# to the Prefect API, which may sit across a slow link from the island. A learner's whole record of
+# its rounds is its ledger, in its store.
 PROGRESS_EVERY_S = 10.0
 
 
 def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
     """What becomes of each line a learner prints: its JSON events turn into log lines and progress
-    (updated at most every `PROGRESS_EVERY_S` seconds, and at the last round), anything else (a
-    library's warning, a traceback, JSON that is not an event) is logged as text."""
-    last_update = 0.0
+    (its rounds logged and its progress updated at most every `PROGRESS_EVERY_S` seconds, and at its
+    last round), anything else (a library's warning, a traceback, JSON that is not an event) is logged
+    as text."""
+    last_update = -math.inf
 
     def relay(line: str) -> None:
         nonlocal last_update
@@ -40,10 +43,10 @@ def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
             logger.info("%s", line)
             return
         if event["event"] == "round":
-            logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
-                        event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
             now = time.monotonic()
             if now - last_update >= PROGRESS_EVERY_S or event["round"] + 1 == event["rounds"]:
+                logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
+                            event["loss"], f"{event['tokens_per_s']:,}", event["eta_s"])
                 update_progress_artifact(progress, 100.0 * (event["round"] + 1) / event["rounds"])
                 last_update = now
         elif event["event"] == "window_closed":

@@ -4,6 +4,7 @@ checkpoint or a damaged derived model does not fail its stage on every retry."""
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import os
 import subprocess
@@ -226,3 +227,25 @@ def test_a_baseline_damaged_on_write_is_committed_again_under_a_new_key(final_ro
     model, meta = load_model(spec, store, layout.BASELINE)
     assert meta["tokens"] == result["tokens"] > 0 and meta["steps"] == result["steps"]
     assert store.is_committed(layout.rewrite(layout.BASELINE, 1))
+
+
+def test_the_relay_reports_a_burst_of_rounds_at_its_first_and_last_round_only(prefect_api, caplog):
+    """Rounds under a second apart would each be a log line and a progress update sent to the Prefect
+    API, across the link from a remote island: the relay reports at most every PROGRESS_EVERY_S, and
+    always the last round, which the progress artifact shows at 100%."""
+    from prefect import flow
+    from prefect.artifacts import Artifact, create_progress_artifact
+
+    @flow
+    def relay_rounds() -> float:
+        progress = create_progress_artifact(0.0, key="progress-relay-burst")
+        relay = learner_relay(logging.getLogger("relay"), progress)
+        for r in range(20):
+            relay(json.dumps({"event": "round", "round": r, "rounds": 20, "loss": 1.0, "tokens_per_s": 10,
+                              "eta_s": 1.0}))
+        return Artifact.get("progress-relay-burst").data
+
+    with caplog.at_level(logging.INFO, logger="relay"):
+        shown = relay_rounds()
+    rounds = [r.getMessage().split()[1] for r in caplog.records if r.name == "relay"]
+    assert rounds == ["1/20", "20/20"] and shown == 100.0

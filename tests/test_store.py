@@ -65,3 +65,17 @@ def test_an_existence_check_on_s3_is_one_head_request(s3_env, tmp_path):
     assert not store.exists("round-1/message.json")
     assert not store.exists("round-0")
     assert calls == ["HeadObject"] * 3
+
+
+def test_a_read_and_a_look_for_a_document_on_s3_are_one_get_each(s3_env, tmp_path):
+    """A peer's message crosses the link as GETs: s3fs would ask each object's size first (a HEAD
+    per read); a wait for a commit looks with GETs and the look that finds it brings it."""
+    store = ObjectStore(f"s3://archipelago/test_store/{tmp_path.name}")
+    store.put_bytes("round-0/message.safetensors", b"tensors")
+    store.put_json("round-0/message.json", {"a": 1})
+    calls: list[str] = []
+    store.fs.s3.meta.events.register("before-call.s3", lambda model, **_: calls.append(model.name))
+    assert store.get_bytes("round-0/message.safetensors") == b"tensors"
+    assert store.wait_for_json("round-0/message.json", 1.0)[0] == {"a": 1}
+    assert store.wait_for_json("round-1/message.json", 0.0) is None
+    assert calls == ["GetObject"] * 3

@@ -83,8 +83,9 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
 
 
 def message_requests(spec: RunSpec, nbytes: int) -> int:
-    """Store requests to write or to read one message of `nbytes`: its parts (one object up to
-    `sync.transport.chunk_bytes`) and its commit."""
+    """Store requests to write one message of `nbytes`: its parts (one object up to
+    `sync.transport.chunk_bytes`) and its commit. A reader makes one request fewer: the poll that
+    finds the commit brings it."""
     return math.ceil(nbytes / spec.sync.transport.chunk_bytes) + 1
 
 
@@ -100,7 +101,7 @@ class LearnerPlan:
     bytes_written: int = 0
     bytes_read: dict[str, int] = field(default_factory=lambda: {"inter": 0, "intra": 0})
     requests: int = 0  # PUTs and GETs of messages and their commits, as `infra.transport` counts them
-    polls: int = 0  # existence checks of peers' commits, one per message read: a reader that waits makes more
+    polls: int = 0  # GETs of peers' commits, one per message read: a reader that waits makes more
     paused_s: float = 0.0  # between its island's capacity windows after its first round: no capacity to use
     windows: list[Stretch] = field(default_factory=list)  # its rounds and waits in each of its island's windows
 
@@ -147,7 +148,7 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             else:
                 ready[me] = start
             plans[me].bytes_read[links_of[me][peer]] += nbytes
-            plans[me].requests += message_requests(spec, nbytes)
+            plans[me].requests += message_requests(spec, nbytes) - 1
             plans[me].polls += 1
         for s, plan in zip(slots, plans):
             plan.bytes_written += nbytes
