@@ -82,6 +82,11 @@ def markdown(document: dict) -> str:
                   "counted (target: within 1.10x)"
                   + (f"; less Prefect's own traffic, {t['butterfly_link_less_prefect_over_exchanges']:.2f}x."
                      if "butterfly_link_less_prefect_over_exchanges" in t else ".")]
+    runs = arms.get("butterfly", {}).get("runs", [])
+    if runs and "inter_island_polls" in runs[0]:
+        lines += [f"Store requests across the link per butterfly run: {runs[0]['inter_island_messages_read']} message "
+                  "reads, each its commit and one part, the commit brought by the last of its polls (polls per run: "
+                  f"{', '.join(str(r['inter_island_polls']) for r in runs)})."]
     lines += ["", "Columns. *link bytes*: both directions of the veth pair, headers included. *of which Prefect*: "
               "the second island's worker and flow runs talking to the Prefect server in the first island's namespace "
               "(polls, task states, logs, progress), from the kernel's per-connection counters sampled every second "
@@ -90,8 +95,8 @@ def markdown(document: dict) -> str:
               "learners' own inter-island message reads; standard, 2 x gradient bytes per step. *utilisation*: "
               "learner compute seconds over wall seconds once every learner has finished its first round, to the end "
               "of each learner's last (standard: compute over each rank's step-loop wall); *compute/(compute+sync)*: the "
-              "learners' own split, which leaves out checkpoint writes. Learners share 2 CPU cores with each other "
-              "and with other work on the machine."]
+              "learners' own split, which leaves out checkpoint writes. Each island's learners, worker and segments "
+              "run on one of the machine's 2 cores; Prefect's server and the SeaweedFS servers on either."]
     return "\n".join(lines) + "\n"
 
 

@@ -286,7 +286,7 @@ class ObjectStore:
         """The JSON document `key` and its size once it exists, within `timeout_s`; None if it did not
         appear, or once `give_up()` says it never will. `on_poll` is told of every look, for the
         caller's request count. Each look is one GET: a look that finds the document has it, where an
-        existence check would take a second request (and on S3 a miss costs a HEAD and a listing)."""
+        existence check (a HEAD) would need a GET after it."""
         deadline = time.monotonic() + timeout_s
         asked = time.monotonic() - _GIVE_UP_EVERY_S + _GIVE_UP_AFTER_S
         while True:
