@@ -70,6 +70,18 @@ def markdown(document: dict) -> str:
                           f"{payload['checkpoints_written']:,} checkpoint bytes written, "
                           f"{payload['messages_written']:,} message bytes written, {payload['messages_read']:,} message "
                           f"bytes read (same-island partners included) and {payload['shards_read']:,} shard bytes read."]
+    for name, arm in arms.items():
+        run, plain = arm["runs"][0], arms.get("butterfly", {}).get("runs", [None])[0]
+        if "outage" in run:
+            out = run["outage"]
+            lines += ["", f"`{name}`: island {out['island']}'s store unreachable for {out['seconds']:.1f} s, from "
+                          f"{out['from_s']:.1f} to {out['to_s']:.1f} s on the driver's clock, started when it scheduled the "
+                          f"segments; missed exchanges {run['missed_exchanges']}, store "
+                          f"retries {run['store_retries']}, rounds finished per learner "
+                          f"{', '.join(str(len(r['rounds'])) for r in run['round_ends_s'].values())}"
+                          + ("; held-out bpb against the run without the outage: " + ", ".join(
+                              f"{e} {v:.4f} / {plain['bpb'][e]:.4f} ({relative_change(v, plain['bpb'][e])})"
+                              for e, v in run["bpb"].items()) if plain else "") + "."]
     t = document["targets"]
     if "butterfly_bytes_reduction_measured" in t:
         lines += ["", f"Butterfly vs per-step all-reduce, inter-island bytes: {t['butterfly_bytes_reduction_measured']:.1f}x "
