@@ -288,14 +288,14 @@ class ObjectStore:
         caller's request count. Each look is one GET: a look that finds the document has it, where an
         existence check (a HEAD) would need a GET after it."""
         deadline = time.monotonic() + timeout_s
-        asked = time.monotonic() - _GIVE_UP_EVERY_S + _GIVE_UP_AFTER_S
+        next_ask = time.monotonic() + _GIVE_UP_AFTER_S
         while True:
             on_poll()
             found = self._json_by(key, deadline)
             if found is not None:
                 return found
-            if time.monotonic() - asked >= _GIVE_UP_EVERY_S:
-                asked = time.monotonic()
+            if time.monotonic() >= next_ask:
+                next_ask = time.monotonic() + _GIVE_UP_EVERY_S
                 if give_up():
                     return self._json_by(key, deadline)  # it may have landed just before the reason to give up
             if time.monotonic() >= deadline:
