@@ -70,8 +70,10 @@ def markdown(document: dict) -> str:
                           f"{payload['checkpoints_written']:,} checkpoint bytes written, "
                           f"{payload['messages_written']:,} message bytes written, {payload['messages_read']:,} message "
                           f"bytes read (same-island partners included) and {payload['shards_read']:,} shard bytes read."]
+    butterfly_runs = arms.get("butterfly", {}).get("runs", [])
+    plain = butterfly_runs[0] if butterfly_runs else None
     for name, arm in arms.items():
-        run, plain = arm["runs"][0], arms.get("butterfly", {}).get("runs", [None])[0]
+        run = arm["runs"][0]
         if "outage" in run:
             out = run["outage"]
             lines += ["", f"`{name}`: island {out['island']}'s store unreachable for {out['seconds']:.1f} s, from "
@@ -94,11 +96,10 @@ def markdown(document: dict) -> str:
                   "counted (target: within 1.10x)"
                   + (f"; less Prefect's own traffic, {t['butterfly_link_less_prefect_over_exchanges']:.2f}x."
                      if "butterfly_link_less_prefect_over_exchanges" in t else ".")]
-    runs = arms.get("butterfly", {}).get("runs", [])
-    if runs and "inter_island_polls" in runs[0]:
-        lines += [f"Store requests across the link per butterfly run: {runs[0]['inter_island_messages_read']} message "
+    if plain and "inter_island_polls" in plain:
+        lines += [f"Store requests across the link per butterfly run: {plain['inter_island_messages_read']} message "
                   "reads, each its commit and one part, the commit brought by the last of its polls (polls per run: "
-                  f"{', '.join(str(r['inter_island_polls']) for r in runs)})."]
+                  f"{', '.join(str(r['inter_island_polls']) for r in butterfly_runs)})."]
     lines += ["", "Columns. *link bytes*: both directions of the veth pair, headers included. *of which Prefect*: "
               "the second island's worker and flow runs talking to the Prefect server in the first island's namespace "
               "(polls, task states, logs, progress), from the kernel's per-connection counters sampled every second "

@@ -114,8 +114,6 @@ class Transport:
         rates = bytes_per_s or {}
         self.budgets = {link: LinkBudget(rates.get(link), clock, sleep) for link in LINK_CLASSES}
         self.counters = {link: LinkCounters() for link in LINK_CLASSES}
-        # Peers' commits fetched by the look that found them, until their message is read.
-        self._commits: dict[str, tuple[dict, int]] = {}
         self._queue: list[tuple[int, int, Callable, Future]] = []
         self._order = itertools.count()
         self._ready = threading.Condition()
@@ -197,15 +195,17 @@ class Transport:
         key = base if base.endswith(".safetensors") else f"{base}-{digest[:16]}.bin"
         return self._timed(link, lambda: self.store.put_bytes(key, data))
 
-    def get_message(self, key: str, link: str, max_bytes: int) -> tuple[dict[str, torch.Tensor], dict, int]:
+    def get_message(self, key: str, link: str, max_bytes: int,
+                    commit: tuple[dict, int] | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
         """Read a committed tensor set (either layout), verified part by part; and bytes read.
+        `commit`: the message's commit as `wait_for_message` brought it (fetched here when None).
 
         The commit is a peer's word: it may only point at its own message's objects, and at no more
         than `max_bytes` of them, or nothing is read (MalformedMessage)."""
         source = self._source(key)
-        commit = self._commits.pop(key, None)
         meta, meta_bytes = commit or self._timed(link, lambda: source._get_json_sized(f"{key}.json"),
                                                  size=lambda r: r[1])
+        meta = dict(meta)
         refs = _message_refs(key, meta, max_bytes)
         data = b"".join(self._timed(link, lambda ref=ref: source.get_bytes(ref.key, ref.sha256))
                         for ref in refs)
@@ -219,15 +219,14 @@ class Transport:
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
             raise MalformedMessage(f"message {key}: not a safetensors payload ({err})") from None
 
-    def wait_for_message(self, key: str, link: str, timeout_s: float, give_up: Callable[[], bool]) -> bool:
-        """Whether a message's commit appeared within `timeout_s`; False at once when `give_up()` says so.
-        The look that finds the commit fetches it, and `get_message` reads the message from it."""
+    def wait_for_message(self, key: str, link: str, timeout_s: float,
+                         give_up: Callable[[], bool]) -> tuple[dict, int] | None:
+        """A message's commit and its size once it appears within `timeout_s`, for `get_message`; None
+        if it did not, at once when `give_up()` says it never will. The look that finds it brings it."""
         def polled() -> None:
             self.counters[link].polls += 1
         commit = self._source(key).wait_for_json(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled)
-        if commit is not None:
-            self._commits[key] = self._timed(link, lambda: commit, size=lambda r: r[1])
-        return commit is not None
+        return None if commit is None else self._timed(link, lambda: commit, size=lambda r: r[1])
 
     def _source(self, key: str) -> ObjectStore:
         return self.store if self.read_from is None else self.read_from(layout.learner_of(key))

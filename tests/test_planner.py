@@ -58,8 +58,9 @@ def test_a_message_is_planned_at_the_requests_the_transport_makes(tmp_path, chun
     transport.put_message(key, {n: torch.randn(numel) for n in SYNC_MODES["butterfly"].fields},
                           {"learner": 1, "round": 0, "tokens": spec.learners[1].tokens_per_round(), "fragment": 0,
                            "anchor_from_initial": False}, "inter")
-    assert transport.wait_for_message(key, "inter", 1.0, give_up=lambda: False)
-    transport.get_message(key, "inter", 1 << 30)
+    commit = transport.wait_for_message(key, "inter", 1.0, give_up=lambda: False)
+    assert commit is not None
+    transport.get_message(key, "inter", 1 << 30, commit)
     planned = message_requests(spec, message_bytes(spec, numel, learner=1))
     assert planned == (2 if chunk_bytes > numel * 8 else -(-numel * 8 // chunk_bytes) + 1)
     counters = transport.counters["inter"]
@@ -69,7 +70,7 @@ def test_a_message_is_planned_at_the_requests_the_transport_makes(tmp_path, chun
 
 def test_a_reader_that_waits_polls_more_than_once(tmp_path):
     transport = Transport(ObjectStore(str(tmp_path)))
-    assert not transport.wait_for_message("learners/000/round-00000/message", "intra", 0.3, give_up=lambda: False)
+    assert transport.wait_for_message("learners/000/round-00000/message", "intra", 0.3, give_up=lambda: False) is None
     assert transport.counters["intra"].polls > 1 and transport.counters["intra"].requests == 0
 
 

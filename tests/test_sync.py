@@ -34,15 +34,15 @@ class FakeTransport:
         self.messages[key] = ({k: v.clone() for k, v in tensors.items()}, dict(meta))
         return sum(v.numel() * v.element_size() for v in tensors.values())
 
-    def get_message(self, key, link, max_bytes):
+    def get_message(self, key, link, max_bytes, commit=None):
         tensors, meta = self.messages[key]
         return dict(tensors), dict(meta), sum(v.numel() * v.element_size() for v in tensors.values())
 
-    def wait_for_message(self, key, link, timeout_s, give_up) -> bool:
+    def wait_for_message(self, key, link, timeout_s, give_up):
         deadline = time.monotonic() + timeout_s
         while key not in self.messages and not give_up() and time.monotonic() < deadline:
             time.sleep(0.01)
-        return key in self.messages
+        return (dict(self.messages[key][1]), 0) if key in self.messages else None
 
 
 def spec_of(mode: str = "butterfly", islands: int = 2, tau: int = 0, **outer):

@@ -254,12 +254,13 @@ class Exchanger:
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         link = self.links[peer]
         try:
-            if not self.transport.wait_for_message(key, link, timeout,
-                                                   give_up=lambda: self.skipped(peer, round_index)):
+            commit = self.transport.wait_for_message(key, link, timeout,
+                                                     give_up=lambda: self.skipped(peer, round_index))
+            if commit is None:
                 return self._missed(peer, round_index, "skipped by the peer's restart"
                                     if self.skipped(peer, round_index) else "deadline")
             expected = self._expected(peer, round_index)
-            payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes)
+            payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes, commit)
         except IntegrityError as err:
             return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True)
         except MalformedMessage as err:
