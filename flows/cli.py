@@ -15,7 +15,7 @@ from infra.lease import LeaseHeld
 from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, parse_spec
 from infra.store import StoreError, run_store
 from infra.store_spec import StoreSpec
-from infra.stores import check_stores_reachable
+from infra.stores import check_stores_reachable, open_run
 
 # Ephemeral Prefect: no telemetry off the machine, and room for a slow first start (database migrations).
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -131,7 +131,7 @@ def prepare(args: argparse.Namespace) -> int:
 
     run_id = f"prepare-{spec.name}-{secrets.token_hex(8)}"
     try:
-        store = run_store(spec.store, run_id)
+        store = open_run(spec, run_id)
         store.check_reachable()
         store.put_json(layout.SPEC, spec.model_dump(mode="json"))
         manifest = prepare_dataset(spec, store)

@@ -18,7 +18,7 @@ from prefect.runtime import flow_run
 from infra import layout
 from infra.launch import yield_cpu_to_learners
 from infra.spec import RunSpec, check_windows_ahead
-from infra.store import run_store
+from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
 from tasks.results import RESULT_SERIALIZER, result_storage
 from tasks.setup import flow_run_run_id
@@ -49,7 +49,7 @@ def archipelago(spec: RunSpec, run_id: str | None = None) -> dict:
     from flows.lifecycle import run_lifecycle
 
     run_id = run_id or flow_run_run_id(spec, flow_run.get_id())
-    if not run_store(spec.store, run_id).exists(layout.SPEC):
+    if not open_run(spec, run_id).exists(layout.SPEC):
         check_windows_ahead(spec, datetime.now(timezone.utc))
     return run_lifecycle(spec, run_id, islands_via="deployments")
 

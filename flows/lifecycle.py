@@ -22,7 +22,7 @@ from prefect.runtime import flow_run
 
 from infra.lease import held_lease, this_process
 from infra.spec import RunSpec
-from infra.store import run_store
+from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
@@ -40,7 +40,7 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     started = time.monotonic()
     load_credential_blocks(spec)
     run_id = run_id or new_run_id(spec)
-    with held_lease(run_store(spec.store, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
+    with held_lease(open_run(spec, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
                     warn=get_run_logger().warning):
         start_run(spec, run_id)
         prepare_data(spec, run_id)

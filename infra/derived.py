@@ -3,7 +3,7 @@ baseline and its snapshots), committed so that a damaged write does not fail the
 
 The writer reads each commit back; if the store damaged it, or an earlier attempt left a damaged
 or different commit under the key, it commits again under the next rewrite key
-(`layout.rewrite`), never over what is there. Readers take the newest commit.
+(`layout.rewrite`), never over what is there. Readers take the newest commit that verifies.
 """
 
 from __future__ import annotations
@@ -30,12 +30,16 @@ def commit_derived(store, key: str, tensors: dict[str, torch.Tensor], meta: dict
     raise StoreError(f"could not commit {key} intact in {REWRITES + 1} attempts: " + "; ".join(failures))
 
 
-def newest_commit(store, key: str) -> str:
-    """The newest committed rewrite of `key`, else `key` itself."""
-    return next((layout.rewrite(key, n) for n in range(REWRITES, 0, -1) if store.is_committed(layout.rewrite(key, n))),
-                key)
-
-
 def read_derived(store, key: str) -> tuple[dict[str, torch.Tensor], dict, int]:
-    """`store.read_committed` of the newest commit of a derived object."""
-    return store.read_committed(newest_commit(store, key))
+    """`store.read_committed` of the newest commit of a derived object that verifies: a rewrite planted
+    past the real one (it does not verify in a run with keys) falls back to the real one."""
+    candidates = [layout.rewrite(key, n) for n in range(REWRITES, 0, -1)] + [key]
+    errors = []
+    for candidate in candidates:
+        if candidate != key and not store.is_committed(candidate):
+            continue
+        try:
+            return store.read_committed(candidate)
+        except IntegrityError as err:
+            errors.append(str(err))
+    raise IntegrityError(f"no commit of {key} verifies: " + "; ".join(errors))

@@ -25,7 +25,7 @@ import socket
 import subprocess
 import sys
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -92,12 +92,16 @@ class LearnerFailed(RuntimeError):
 
 
 def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | None, run_id: str,
-                on_line: Callable[[str], None], credentials_env: str | None = None) -> None:
+                on_line: Callable[[str], None], credentials_env: str | None = None,
+                withheld_env: Iterable[str] = ()) -> None:
     """Run one learner until it exits, relaying its output lines; raise with its last lines if it failed.
     A learner that stopped at its capacity window's end exits cleanly too; the caller tells a pause
     from the end by the learner's summary, which only a learner that trained every round writes.
-    Whatever ends this call, the learner's process group is ended with it."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
+    Whatever ends this call, the learner's process group is ended with it. `withheld_env`: variables
+    of this environment the learner must not inherit (other writers' keys)."""
+    withheld = set(withheld_env)
+    env = {**{name: value for name, value in os.environ.items() if name not in withheld},
+           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
            PARENT_PID: str(os.getpid()), **LOOPBACK_ONLY}
     tail: deque[str] = deque(maxlen=30)
     with subprocess.Popen(learner.command(store_url, endpoint_url, run_id, credentials_env), stdout=subprocess.PIPE,

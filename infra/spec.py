@@ -13,12 +13,30 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from infra.authority import public_key_of
 from infra.fault_spec import Fault
 from infra.spec_model import MAX_BATCH, MAX_STEPS, MAX_WAIT_S, MAX_WIDTH, SEED_LIMIT, SpecModel
 from infra.store_spec import StoreSpec
 from infra.windows import CapacityWindow
+
+
+class SigningSpec(SpecModel):
+    """A writer's signing keys (see infra/authority.py): the public key travels with the spec, the private
+    key stays in the writer's environment."""
+
+    public_key: str = Field(description="The writer's Ed25519 public key, base64 (`archipelago keys`).")
+    private_key_env: str = Field(
+        pattern=r"^[A-Z][A-Z0-9_]{0,63}$",
+        description="Environment variable that holds the writer's Ed25519 private key (base64) where it runs; "
+                    "only the variable's name is in the spec.")
+
+    @field_validator("public_key")
+    @classmethod
+    def _an_ed25519_key(cls, text: str) -> str:
+        public_key_of(text)
+        return text
 
 
 class IslandSpec(SpecModel):
@@ -45,6 +63,9 @@ class IslandSpec(SpecModel):
         default_factory=list,
         description="Reserved capacity windows; the island trains only inside them, resuming in the next one. "
                     "Empty: always available.")
+    signing: SigningSpec | None = Field(
+        None, description="The island's signing keys: its learners sign every record they write with them, and "
+                          "readers refuse what they did not sign. Needs the run's `signing` too.")
 
     @model_validator(mode="after")
     def _batch_splits_over_processes(self) -> "IslandSpec":
@@ -268,6 +289,19 @@ class RunSpec(SpecModel):
     store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation settings.")
     faults: list[Fault] = Field(default_factory=list, description="Faults to inject, for tests and drills.")
+    signing: SigningSpec | None = Field(
+        None, description="The control plane's signing keys. With them (and each island's), every record in the "
+                          "stores is signed by its writer and checked by its readers; without, the run is "
+                          "unauthenticated and its report says so.")
+
+    @model_validator(mode="after")
+    def _every_writer_signs_or_none(self) -> "RunSpec":
+        unsigned = [i.name for i in self.islands if i.signing is None]
+        if self.signing is not None and unsigned:
+            raise ValueError(f"signing: islands {unsigned} have no signing keys; give every island its own, or none")
+        if self.signing is None and len(unsigned) < len(self.islands):
+            raise ValueError("islands[].signing needs the control plane's keys too (signing)")
+        return self
 
     @model_validator(mode="after")
     def _run_store_credentials_from_the_environment(self) -> "RunSpec":

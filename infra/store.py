@@ -7,7 +7,11 @@ The same semantics hold for a local folder (the embedded default) and for S3 thr
   * a reader never sees a partial object (the hard link and the PUT are atomic);
   * a local store never follows a symlink out of its root;
   * every read can be verified: JSON documents carry their own sha256, and tensors are read
-    against the sha256 that the JSON document referencing them recorded.
+    against the sha256 that the JSON document referencing them recorded;
+  * with an `Authority` (infra/authority.py), JSON documents are signed by their writer, and a
+    document that is not signed by a writer allowed to write its name is refused (`Unauthenticated`);
+  * every read is bounded: a reader says how many bytes it will take, and a larger object is refused
+    after reading one byte more than that, never read whole.
 Nothing read from the store is unpickled: tensors are safetensors, metadata is JSON.
 """
 
@@ -30,6 +34,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from infra.authority import Authority, Unauthenticated, kind_of
 from infra.faults import FaultInjectingFileSystem, StoreFaults
 from infra.s3 import SINGLE_PUT_MAX_BYTES, is_create_conflict, s3_filesystem
 from infra.store_errors import IntegrityError, ObjectExists, ObjectMissing, StoreError
@@ -112,6 +117,15 @@ _MIN_POLL_BUDGET_S = 1.0
 # short waits of a run in step cost no more than their polls.
 _GIVE_UP_AFTER_S = 1.0
 _GIVE_UP_EVERY_S = 3.0
+# What a JSON document may weigh unless its reader says otherwise: commits, records and manifests are
+# kilobytes; a checkpoint's commit carries the learner's ledger, which grows with its rounds.
+JSON_MAX_BYTES = 16 << 20
+# A document nested deeper than this is refused before it is parsed (json.loads would recurse).
+_JSON_MAX_DEPTH = 64
+
+
+class ObjectTooLarge(IntegrityError):
+    """An object holds more bytes than its reader takes; it was not read whole, and is not read again."""
 
 
 class ObjectStore:
@@ -119,7 +133,7 @@ class ObjectStore:
 
     def __init__(self, url: str, endpoint_url: str | None = None, retry: RetryPolicy = RetryPolicy(),
                  faults: StoreFaults | None = None, credentials_env: str | None = None,
-                 _shared: "_Shared | None" = None):
+                 authority: Authority | None = None, _shared: "_Shared | None" = None):
         self.url = parse_store_url(url)
         self.endpoint_url = endpoint_url
         self.retry = retry
@@ -127,15 +141,16 @@ class ObjectStore:
         self.root = self.url if self.is_local else self.url[len("s3://"):]
         if _shared is None:
             fs = fsspec.filesystem("file") if self.is_local else s3_filesystem(endpoint_url, retry, credentials_env)
-            _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs, self.root)
+            _shared = _Shared(FaultInjectingFileSystem(fs, faults) if faults else fs, self.root, authority)
         self._shared = _shared
         self.fs = _shared.fs
 
     @classmethod
-    def from_spec(cls, store_spec, faults: StoreFaults | None = None) -> "ObjectStore":
+    def from_spec(cls, store_spec, faults: StoreFaults | None = None,
+                  authority: Authority | None = None) -> "ObjectStore":
         return cls(store_spec.url, store_spec.endpoint_url,
                    RetryPolicy(attempts=store_spec.retry_attempts, budget_s=store_spec.retry_budget_s), faults,
-                   store_spec.credentials_env)
+                   store_spec.credentials_env, authority)
 
     def child(self, prefix: str) -> "ObjectStore":
         """A sub-prefix sharing this store's connection, retry policy, faults and counters."""
@@ -148,9 +163,18 @@ class ObjectStore:
         return self.root[len(self._shared.root):].lstrip("/")
 
     @property
-    def stats(self) -> dict[str, int]:
-        """Retries and integrity failures seen by this store and its children, for the report."""
+    def stats(self) -> dict:
+        """Retries, integrity failures and refused objects (by kind) seen by this store and its children,
+        for the report."""
         return self._shared.stats
+
+    @property
+    def authority(self) -> Authority | None:
+        return self._shared.authority
+
+    def _name(self, key: str) -> str:
+        """An object's name as signatures cover it: its key under the outermost root (`runs/<run id>/...`)."""
+        return f"{self.prefix}/{key}" if self.prefix else key
 
     def _path(self, key: str) -> str:
         path = f"{self.root}/{validate_key(key)}"
@@ -235,13 +259,21 @@ class ObjectStore:
         """Fault injection: the next object written gets damaged bytes under the true checksum."""
         self._shared.corrupt_next = True
 
-    def get_bytes(self, key: str, expected_sha256: str | None = None, policy: RetryPolicy | None = None) -> bytes:
-        """Read an object; with a checksum, re-read a damaged transfer a few times before giving up."""
+    def get_bytes(self, key: str, expected_sha256: str | None = None, policy: RetryPolicy | None = None,
+                  max_bytes: int | None = None) -> bytes:
+        """Read an object of at most `max_bytes` (ObjectTooLarge beyond); with a checksum, re-read a
+        damaged transfer a few times before giving up."""
+        limit = {} if max_bytes is None else {"start": 0, "end": max_bytes + 1}
         for attempt in range(3):
             try:
-                data = self._call(f"get {key} from", self.fs.cat_file, self._path(key), policy=policy)
+                data = self._call(f"get {key} from", self.fs.cat_file, self._path(key), policy=policy, **limit)
             except FileNotFoundError:
                 raise ObjectMissing(f"object {key} not found in {self.url}") from None
+            except PermissionError:
+                raise StoreError(f"object {key} in {self.url}: access denied") from None
+            if max_bytes is not None and len(data) > max_bytes:
+                self.refused(key)
+                raise ObjectTooLarge(f"object {key} in {self.url} holds more than {max_bytes} bytes: refused")
             if expected_sha256 is None or sha256(data) == expected_sha256:
                 return data
             self._shared.stats["checksum_mismatches"] += 1
@@ -282,7 +314,8 @@ class ObjectStore:
 
     def wait_for_json(self, key: str, timeout_s: float, poll_s: float = 0.05,
                       give_up: Callable[[], bool] = lambda: False,
-                      on_poll: Callable[[], None] = lambda: None) -> tuple[dict, int] | None:
+                      on_poll: Callable[[], None] = lambda: None,
+                      max_bytes: int = JSON_MAX_BYTES) -> tuple[dict, int] | None:
         """The JSON document `key` and its size once it exists, within `timeout_s`; None if it did not
         appear, or once `give_up()` says it never will. `on_poll` is told of every look, for the
         caller's request count. Each look is one GET: a look that finds the document has it, where an
@@ -291,24 +324,24 @@ class ObjectStore:
         next_ask = time.monotonic() + _GIVE_UP_AFTER_S
         while True:
             on_poll()
-            found = self._json_by(key, deadline)
+            found = self._json_by(key, deadline, max_bytes)
             if found is not None:
                 return found
             if time.monotonic() >= next_ask:
                 next_ask = time.monotonic() + _GIVE_UP_EVERY_S
                 if give_up():
-                    return self._json_by(key, deadline)  # it may have landed just before the reason to give up
+                    return self._json_by(key, deadline, max_bytes)  # it may have landed just before the reason to give up
             if time.monotonic() >= deadline:
                 return None
             time.sleep(poll_s)
             poll_s = min(poll_s * 1.5, 1.0)
 
-    def _json_by(self, key: str, deadline: float) -> tuple[dict, int] | None:
+    def _json_by(self, key: str, deadline: float, max_bytes: int) -> tuple[dict, int] | None:
         """One look of a wait: its retries end with the wait, so a store that has gone away costs the
         waiter its deadline (and the socket timeout of a request under way), not the retry budget."""
         budget = min(self.retry.budget_s, max(deadline - time.monotonic(), _MIN_POLL_BUDGET_S))
         try:
-            return self._get_json_sized(key, dataclasses.replace(self.retry, budget_s=budget))
+            return self.get_json_sized(key, dataclasses.replace(self.retry, budget_s=budget), max_bytes)
         except ObjectMissing:
             return None
         except StoreUnavailable:
@@ -319,21 +352,40 @@ class ObjectStore:
     # -- typed objects ------------------------------------------------------------------------
 
     def put_json(self, key: str, body: dict) -> ObjectRef:
-        """JSON with its own checksum, so a reader needs nothing else to verify it."""
-        return self.put_bytes(key, json_document(body))
+        """JSON with its own checksum, so a reader needs nothing else to verify it; signed by this
+        store's writer when it has one."""
+        digest = sha256(canonical_json(body))
+        signature = None if self.authority is None else self.authority.sign(self._name(key), digest)
+        return self.put_bytes(key, json_document(body, digest, signature))
 
-    def get_json(self, key: str) -> dict:
-        return self._get_json_sized(key)[0]
+    def get_json(self, key: str, max_bytes: int = JSON_MAX_BYTES) -> dict:
+        return self.get_json_sized(key, max_bytes=max_bytes)[0]
 
-    def _get_json_sized(self, key: str, policy: RetryPolicy | None = None) -> tuple[dict, int]:
+    def get_json_sized(self, key: str, policy: RetryPolicy | None = None,
+                       max_bytes: int = JSON_MAX_BYTES) -> tuple[dict, int]:
+        """A JSON object verified against its checksum and, with an authority, its writer's signature;
+        and its size. Anything else is an IntegrityError naming the object (Unauthenticated,
+        ObjectTooLarge), never a crash of the reader."""
         for _ in range(3):  # a damaged transfer heals on re-read; a damaged object does not
-            raw = self.get_bytes(key, policy=policy)
-            body = _verified_json_body(raw)
-            if body is not None:
-                return body, len(raw)
+            raw = self.get_bytes(key, policy=policy, max_bytes=max_bytes)
+            envelope = _verified_envelope(raw)
+            if envelope is not None:
+                if self.authority is not None:
+                    try:
+                        self.authority.verify(self._name(key), envelope["sha256"], envelope.get("signature"))
+                    except Unauthenticated:
+                        self.refused(key)
+                        raise
+                return envelope["body"], len(raw)
             self._shared.stats["checksum_mismatches"] += 1
-        raise IntegrityError(f"object {key} in {self.url} is corrupt: not a JSON document whose body "
+        raise IntegrityError(f"object {key} in {self.url} is corrupt: not a JSON object whose body "
                              f"matches its recorded sha256 ({len(raw)} bytes read)")
+
+    def refused(self, key: str) -> None:
+        """Count an object refused for what it holds, by its kind, for the report."""
+        kinds = self._shared.stats["refused"]
+        kind = kind_of(self._name(key))
+        kinds[kind] = kinds.get(kind, 0) + 1
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor],
                     metadata: dict[str, str] | None = None) -> ObjectRef:
@@ -358,37 +410,73 @@ class ObjectStore:
     def is_committed(self, key: str) -> bool:
         return self.exists(f"{key}.json")
 
-    def read_committed(self, key: str) -> tuple[dict[str, torch.Tensor], dict, int]:
-        """Tensors and metadata of a commit, verified against the commit's checksum; and bytes read."""
-        meta, meta_bytes = self._get_json_sized(f"{key}.json")
-        ref = ObjectRef.from_json(meta.pop("tensors"))
-        return self.get_tensors(ref), meta, ref.nbytes + meta_bytes
+    def read_committed(self, key: str, max_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
+        """Tensors and metadata of a commit, verified against the commit's checksum (and signature);
+        and bytes read. `max_bytes`: the most tensor bytes the reader takes."""
+        meta, meta_bytes = self.get_json_sized(f"{key}.json")
+        try:
+            ref = ObjectRef.from_json(meta.pop("tensors"))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            self.refused(key)
+            raise IntegrityError(f"object {key} in {self.url}: its commit names no tensor object") from None
+        if ref.key != f"{key}.safetensors" or (max_bytes is not None and ref.nbytes > max_bytes):
+            self.refused(key)
+            raise IntegrityError(f"object {key} in {self.url}: its commit points elsewhere or declares too many bytes")
+        data = self.get_bytes(ref.key, ref.sha256, max_bytes=ref.nbytes)
+        try:
+            return load_safetensors(data), meta, ref.nbytes + meta_bytes
+        except Exception:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
+            self.refused(key)
+            raise IntegrityError(f"object {key} in {self.url}: not a safetensors payload") from None
 
 
-def json_document(body: dict) -> bytes:
-    """A JSON object as the store writes it: the body beside the sha256 of its canonical form."""
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return json.dumps({"sha256": sha256(canonical.encode()), "body": body}, sort_keys=True, indent=1).encode()
+def canonical_json(body: dict) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _verified_json_body(raw: bytes) -> dict | None:
+def json_document(body: dict, digest: str | None = None, signature: dict | None = None) -> bytes:
+    """A JSON object as the store writes it: the body beside the sha256 of its canonical form, and
+    its writer's signature when it has one."""
+    envelope = {"sha256": digest or sha256(canonical_json(body)), "body": body}
+    if signature is not None:
+        envelope["signature"] = signature
+    return json.dumps(envelope, sort_keys=True, indent=1).encode()
+
+
+def _verified_envelope(raw: bytes) -> dict | None:
+    """The envelope of a JSON document whose body is an object matching its recorded sha256; else None.
+    Nesting is bounded before parsing: json.loads recurses, and a document of brackets would crash it."""
+    if _nesting_depth(raw) > _JSON_MAX_DEPTH:
+        return None
     try:
         envelope = json.loads(raw)
         body, recorded = envelope["body"], envelope["sha256"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
-    return body if sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()) == recorded else None
+    if not isinstance(body, dict) or not isinstance(recorded, str):
+        return None
+    return envelope if sha256(canonical_json(body)) == recorded else None
+
+
+def _nesting_depth(raw: bytes) -> int:
+    """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound)."""
+    depth = deepest = 0
+    for byte in raw.translate(None, delete=bytes(b for b in range(256) if b not in b"[]{}")):
+        depth += 1 if byte in b"[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 class _Shared:
     """What a store and its children share: one connection, the outermost root, the fault
-    switch, the counters."""
+    switch, the writer's authority, the counters."""
 
-    def __init__(self, fs, root: str):
+    def __init__(self, fs, root: str, authority: Authority | None = None):
         self.fs = fs
         self.root = root
+        self.authority = authority
         self.corrupt_next = False
-        self.stats = {"retries": 0, "checksum_mismatches": 0}
+        self.stats = {"retries": 0, "checksum_mismatches": 0, "refused": {}}
 
     def take_corruption(self, data: bytes) -> bytes:
         if not self.corrupt_next or not data:
@@ -399,9 +487,9 @@ class _Shared:
         return bytes(damaged)
 
 
-def run_store(store_spec, run_id: str) -> ObjectStore:
-    """The prefix that holds everything of one run."""
+def run_store(store_spec, run_id: str, authority: Authority | None = None) -> ObjectStore:
+    """The prefix that holds everything of one run; `authority`: how this process signs and checks it."""
     if not isinstance(run_id, str) or not _SEGMENT.fullmatch(run_id):
         raise StoreError(f"invalid run id {run_id!r}: one path segment of [A-Za-z0-9_.=-], "
                          "not starting with '.'")
-    return ObjectStore.from_spec(store_spec).child(f"runs/{run_id}")
+    return ObjectStore.from_spec(store_spec, authority=authority).child(f"runs/{run_id}")

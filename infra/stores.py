@@ -10,9 +10,10 @@ there, so only what partners read crosses the link. An island without one uses t
 
 from __future__ import annotations
 
+from infra.authority import CONTROL, Authority
 from infra.faults import StoreFaults
 from infra.spec import RunSpec
-from infra.store import ObjectStore
+from infra.store import ObjectStore, run_store
 
 
 class RunStores:
@@ -33,12 +34,18 @@ class RunStores:
             if self.reader is not None and name != self.reader:
                 store_spec = store_spec.model_copy(update={
                     "retry_budget_s": min(store_spec.retry_budget_s, self.spec.sync.partner_timeout_s)})
-            self._islands[name] = ObjectStore.from_spec(store_spec, self.faults).child(self.run.prefix)
+            self._islands[name] = ObjectStore.from_spec(store_spec, self.faults, self.run.authority).child(self.run.prefix)
         return self._islands[name]
 
     def learner(self, index: int) -> ObjectStore:
         """The store holding learner `index`'s objects: its island's."""
         return self.island(self.spec.learners[index].island.name)
+
+
+def open_run(spec: RunSpec, run_id: str, writer: str | None = CONTROL) -> ObjectStore:
+    """The run's store as `writer` signs and checks it (infra/authority.py): CONTROL for the control
+    plane, an island's name for its learners, None for a process that only reads."""
+    return run_store(spec.store, run_id, Authority.of(spec, writer))
 
 
 def check_stores_reachable(spec: RunSpec) -> None:

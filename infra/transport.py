@@ -31,6 +31,8 @@ from infra import layout
 from infra.store import ObjectExists, ObjectRef, ObjectStore, StoreError, sha256
 
 LINK_CLASSES = ("inter", "intra")
+# A message's commit lists its parts and a few fields; anything much larger is not a commit.
+COMMIT_MAX_BYTES = 64 << 10
 PRIORITY = {"inter": 0, "intra": 1, "checkpoint": 2}  # checkpoints written in the background go last
 
 
@@ -41,9 +43,12 @@ class MalformedMessage(StoreError):
 def _message_refs(key: str, meta: dict, max_bytes: int) -> list[ObjectRef]:
     try:
         refs = ([ObjectRef.from_json(meta.pop("tensors"))] if "tensors" in meta
-                else [ObjectRef.from_json(r) for r in meta.pop("parts")])
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise MalformedMessage(f"message {key}: its commit lists no valid tensor objects ({err!r})") from None
+                else [ObjectRef.from_json(r) for r in meta.pop("parts")[:max_bytes // 1024 + 1]])
+        if not all(isinstance(ref.key, str) and isinstance(ref.sha256, str) for ref in refs):
+            raise TypeError("keys and checksums must be strings")
+    except (KeyError, TypeError, ValueError, AttributeError):
+        # The reason is ours, never the commit's text: that is the peer's word and could be anything.
+        raise MalformedMessage(f"message {key}: its commit lists no valid tensor objects") from None
     meta.pop("nbytes", None)
     if any(not ref.key.startswith(f"{key}.") for ref in refs):
         raise MalformedMessage(f"message {key}: its commit points outside the message")
@@ -203,11 +208,11 @@ class Transport:
         The commit is a peer's word: it may only point at its own message's objects, and at no more
         than `max_bytes` of them, or nothing is read (MalformedMessage)."""
         source = self._source(key)
-        meta, meta_bytes = commit or self._timed(link, lambda: source._get_json_sized(f"{key}.json"),
-                                                 size=lambda r: r[1])
+        meta, meta_bytes = commit or self._timed(
+            link, lambda: source.get_json_sized(f"{key}.json", max_bytes=COMMIT_MAX_BYTES), size=lambda r: r[1])
         meta = dict(meta)
         refs = _message_refs(key, meta, max_bytes)
-        data = b"".join(self._timed(link, lambda ref=ref: source.get_bytes(ref.key, ref.sha256))
+        data = b"".join(self._timed(link, lambda ref=ref: source.get_bytes(ref.key, ref.sha256, max_bytes=ref.nbytes))
                         for ref in refs)
         nbytes = len(data) + meta_bytes
         self.counters[link].bytes_read += nbytes
@@ -225,7 +230,8 @@ class Transport:
         if it did not, at once when `give_up()` says it never will. The look that finds it brings it."""
         def polled() -> None:
             self.counters[link].polls += 1
-        commit = self._source(key).wait_for_json(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled)
+        commit = self._source(key).wait_for_json(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled,
+                                                 max_bytes=COMMIT_MAX_BYTES)
         return None if commit is None else self._timed(link, lambda: commit, size=lambda r: r[1])
 
     def _source(self, key: str) -> ObjectStore:

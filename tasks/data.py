@@ -5,14 +5,14 @@ from __future__ import annotations
 from prefect import get_run_logger
 
 from infra.spec import RunSpec
-from infra.store import run_store
+from infra.stores import open_run
 from tasks.stage import stage
 from training.data import prepare_dataset
 
 
 @stage("prepare-data")
 def prepare_data(spec: RunSpec, run_id: str) -> dict:
-    manifest = prepare_dataset(spec, run_store(spec.store, run_id))
+    manifest = prepare_dataset(spec, open_run(spec, run_id))
     logger = get_run_logger()
     for shard in manifest["shards"]:
         logger.info("learner %d (%s): %d documents, %s bytes for %s planned tokens", shard["learner"],

@@ -12,7 +12,7 @@ from eval.evaluate import evaluate
 from eval.report import build_report, evaluation_table, fault_report, settings_markdown
 from infra import layout
 from infra.spec import RunSpec
-from infra.store import run_store
+from infra.stores import open_run
 from tasks.faults import fail_once_if_asked
 from tasks.planning import UNLIMITED_BPS, measured_step_seconds, publish_plan
 from tasks.stage import stage
@@ -23,7 +23,7 @@ from training.model import build_model
 @stage("evaluate")
 def evaluate_models(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "evaluate")
-    results = evaluate(spec, run_store(spec.store, run_id))
+    results = evaluate(spec, open_run(spec, run_id))
     logger = get_run_logger()
     for name, arms in results.items():
         logger.info("%s: islands %.4f bpb, standard %.4f bpb over %s bytes", name, arms["islands"]["bpb"],
@@ -35,7 +35,7 @@ def evaluate_models(spec: RunSpec, run_id: str) -> dict:
 def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, baseline: dict,
                    wall_seconds: float) -> dict:
     fail_once_if_asked(spec, run_id, "report")
-    store = run_store(spec.store, run_id)
+    store = open_run(spec, run_id)
     summaries = read_summaries(spec, store)
     report = build_report(spec, run_id, evals, consensus, summaries, baseline,
                           build_model(spec).parameter_counts(), wall_seconds)
@@ -59,7 +59,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
 @stage("evaluate-curve")
 def evaluate_curve_points(spec: RunSpec, run_id: str) -> list[dict]:
     """Both arms at a few matching token counts, for the bpb-versus-tokens plot."""
-    points = evaluate_curve(spec, run_store(spec.store, run_id))
+    points = evaluate_curve(spec, open_run(spec, run_id))
     create_table_artifact([{**p, "bpb": round(p["bpb"], 5)} for p in points], key="bpb-curve",
                           description=f"Bits per byte along training, both arms, first {CURVE_EVAL_BYTES:,} bytes "
                                       f"of each held-out set ({run_id})")
@@ -73,7 +73,7 @@ def publish_figures(spec: RunSpec, run_id: str, communication: dict, curve: list
     The image artifact carries the PNG itself (a data URL): the UI shows it whether the store is a
     local folder or a private bucket the browser cannot read.
     """
-    store = run_store(spec.store, run_id)
+    store = open_run(spec, run_id)
     summaries = read_summaries(spec, store)
     pngs = {"bpb-vs-tokens": (figures.bpb_versus_tokens(curve, CURVE_EVAL_BYTES),
                               "Bits per byte versus tokens, islands and standard"),

@@ -5,13 +5,13 @@ from __future__ import annotations
 from infra import layout
 from infra.fault_spec import FailStage
 from infra.spec import RunSpec
-from infra.store import run_store
+from infra.stores import open_run
 
 
 def fail_once_if_asked(spec: RunSpec, run_id: str, stage: str) -> None:
     """Fault injection: a `fail_stage` fault fails its stage the first time only."""
     if any(f.stage == stage for f in spec.faults_of(FailStage)):
-        store = run_store(spec.store, run_id)
+        store = open_run(spec, run_id)
         marker = layout.failed_stage_marker(stage)
         if not store.exists(marker):
             store.put_json(marker, {"stage": stage})

@@ -13,11 +13,10 @@ from datetime import datetime, timezone
 from prefect import get_run_logger
 from prefect.deployments import run_deployment
 
-from infra import layout
 from infra.spec import RunSpec
-from infra.store import run_store
-from infra.stores import RunStores
+from infra.stores import RunStores, open_run
 from tasks.stage import stage
+from training.ledger import finished
 
 SEGMENT_FLOW = "segment"
 
@@ -53,7 +52,7 @@ def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
     """Run the island's learners window by window until every one has trained all its rounds."""
     logger = get_run_logger()
     island_spec = next(i for i in spec.islands if i.name == island)
-    stores = RunStores(spec, run_store(spec.store, run_id))
+    stores = RunStores(spec, open_run(spec, run_id, writer=None))
     learners = [slot.index for slot in spec.learners if slot.island.name == island]
     segments = []
     for n, window in enumerate(island_spec.ordered_windows or [None]):
@@ -65,7 +64,7 @@ def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
         flow_run = run_segment(spec, run_id, island, n, window.start_at if window else None,
                                window.end_at if window else None)
         segments.append({"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name})
-        if all(stores.learner(i).exists(layout.learner_summary(i)) for i in learners):
+        if all(finished(stores, spec, i) for i in learners):
             logger.info("island %s finished in %d segment(s) on work pool %s", island, len(segments),
                         flow_run.work_pool_name)
             return {"island": island, "segments": segments}

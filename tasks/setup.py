@@ -10,8 +10,7 @@ from prefect import get_run_logger
 
 from infra import layout
 from infra.spec import RunSpec
-from infra.store import run_store
-from infra.stores import check_stores_reachable
+from infra.stores import check_stores_reachable, open_run
 from tasks.stage import stage
 
 
@@ -30,7 +29,7 @@ def flow_run_run_id(spec: RunSpec, flow_run_id: UUID | str) -> str:
 @stage("start-run")
 def start_run(spec: RunSpec, run_id: str) -> str:
     check_stores_reachable(spec)
-    store = run_store(spec.store, run_id)
+    store = open_run(spec, run_id)
     store.put_json(layout.SPEC, spec.model_dump(mode="json"))
     get_run_logger().info("run %s: %d learners on %d islands, store %s", run_id, len(spec.learners),
                           len(spec.islands), spec.store.url)

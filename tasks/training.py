@@ -11,16 +11,16 @@ from uuid import UUID
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from infra import layout
+from infra.authority import foreign_signing_keys
 from infra.launch import LearnerProcess, run_learner, threads_per_process
 from infra.spec import RunSpec
-from infra.store import run_store
-from infra.stores import RunStores
+from infra.stores import RunStores, open_run
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
 from training.baseline import train_baseline
 from training import events
 from training.consolidate import consolidate
+from training.ledger import finished
 
 
 # Rounds can take well under a second; each progress update and each batch of log lines is a request
@@ -74,16 +74,15 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
                                         description=f"Rounds completed by learner {learner} on {island} ({run_id})")
     run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until),
                 spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress),
-                spec.store.credentials_env)
+                spec.store.credentials_env, foreign_signing_keys(spec, island))
     return {"learner": learner, "island": island,
-            "finished": RunStores(spec, run_store(spec.store, run_id)).learner(learner).exists(
-                layout.learner_summary(learner))}
+            "finished": finished(RunStores(spec, open_run(spec, run_id, writer=None)), spec, learner)}
 
 
 @stage("consolidate")
 def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
     fail_once_if_asked(spec, run_id, "consolidate")
-    consensus = consolidate(spec, run_store(spec.store, run_id))
+    consensus = consolidate(spec, open_run(spec, run_id))
     logger = get_run_logger()
     logger.info("consolidated %d learners; max relative weight distance %.4f",
                 len(consensus["per_learner"]), consensus["max_weight_distance"])
@@ -102,4 +101,4 @@ def train_standard(spec: RunSpec, run_id: str) -> dict:
         logger.info("baseline step %d/%d loss %.4f, %s tokens/s, ETA %.0f s", p["step"], p["steps"], p["loss"],
                     f"{p['tokens_per_s']:,}", p["eta_s"])
 
-    return train_baseline(spec, run_store(spec.store, run_id), progress)
+    return train_baseline(spec, open_run(spec, run_id), progress)

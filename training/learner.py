@@ -59,7 +59,7 @@ class Learner:
         self.model = build_model(spec).to(self.device)
         self.inner = inner_optimizer(self.model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
         self.transport = Transport.of(self.store, spec.sync.transport, read_from=self.stores.learner)
-        self.lives = Lives(self.stores.learner)
+        self.lives = Lives(self.stores.learner, spec.sync.rounds)
         self.faults = LearnerFaults(spec, self.stores, index)
         self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, flat_parameters(self.model).cpu(),
                                    skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
@@ -92,15 +92,17 @@ class Learner:
         point = None
         if self.rank == 0:
             self.life = len(self.lives.of(self.slot.index))
-            point = choose_resume_point(self.stores.learner, self.slot.index, len(self.spec.learners)) if self.life \
-                else None
+            rounds = self.spec.sync.rounds
+            point = None if not self.life else choose_resume_point(
+                self.stores.learner, self.slot.index, len(self.spec.learners), rounds,
+                lambda tensors, meta: self.state.check(tensors, meta, rounds))
         learner, t = self._from_rank0((point.learner, point.round) if point else (-1, -1))
         if t >= 0:
             tensors, meta = (point.tensors, point.meta) if point else \
                 self.stores.learner(learner).read_committed(layout.checkpoint(learner, t))[:2]
             self._resume_from(learner, t, tensors, meta)
         if self.rank == 0:
-            self.lives.record(self.slot.index, self.life, self.start_round, self.rejoined_from)
+            self.life = self.lives.record(self.slot.index, self.life, self.start_round, self.rejoined_from)
 
     def _resume_from(self, learner: int, t: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """A learner that rejoins from a peer's checkpoint drops the peer's exchange in flight and
@@ -109,7 +111,7 @@ class Learner:
         and applied at the same point, so its mix is applied exactly once."""
         self.state.load_state_dict(tensors, meta)
         if self.rank == 0:
-            self.ledger.load_state_dict(own_ledger(self.store, self.slot.index).state_dict())
+            self.ledger.load_state_dict(own_ledger(self.store, self.slot.index, self.spec.sync.rounds).state_dict())
             self.transport.load_report(self.ledger.links, self.ledger.stores)
         if learner != self.slot.index:
             self.exchanger.feedback.reset()
@@ -161,6 +163,7 @@ class Learner:
             self._apply_pending()
         sending = time.monotonic()
         wait = partner_wait_s(self.spec.sync, sending - round_started - self._sync_seconds)
+        weights = None  # rank 0's one copy of the round's weights: sent, scored, checkpointed
         if self.rank == 0:
             weights = flat_parameters(self.model).cpu()
             if not math.isfinite(loss) or not bool(torch.isfinite(weights).all()):
@@ -173,23 +176,25 @@ class Learner:
         # The last round's mix is waited for: the final checkpoints are what consolidation averages.
         if self.exchanger.due(0) or t == self.spec.sync.rounds - 1:
             self._apply_pending()
+            weights = flat_parameters(self.model).cpu() if self.rank == 0 else None
         # Syncing is what the learner spent not computing: queueing the send and applying mixes,
         # including any wait for a message still on the link.
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
                                time.monotonic() - round_started - self._sync_seconds, self._sync_seconds)
         # Before the checkpoint: a learner resumed from that checkpoint never comes back to this round.
         if self.rank == 0 and t in self.curve_rounds:
-            self.checkpoints.write_curve_weights(layout.curve_weights(self.slot.index, t),
-                                                 flat_parameters(self.model).cpu(), {"round": t})
+            self.checkpoints.write_curve_weights(layout.curve_weights(self.slot.index, t), weights, {"round": t})
         if self.rank == 0 and self._checkpoint_due(t):
-            self._checkpoint(t)
+            checkpointing = time.monotonic()
+            self._checkpoint(t, weights)
+            self.ledger.book_checkpoint(time.monotonic() - checkpointing)
         return loss
 
     def _checkpoint_due(self, t: int) -> bool:
         return (t + 1) % self.spec.sync.checkpoint_every == 0 or t == self.spec.sync.rounds - 1
 
-    def _checkpoint(self, t: int) -> None:
-        tensors, meta = self.state.state_dict(self.pending)
+    def _checkpoint(self, t: int, weights: torch.Tensor | None = None) -> None:
+        tensors, meta = self.state.state_dict(self.pending, weights)
         self.checkpoints.write(layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
         self.checkpointed = t
 

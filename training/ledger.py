@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from infra import layout
+from infra.store import IntegrityError, StoreError
 from infra.stores import RunStores
 
 
@@ -40,6 +41,11 @@ class Ledger:
         self.rounds.append({"round": round_index, "loss": loss, "compute_s": compute_s, "sync_s": sync_s,
                             "fragment": fragment, "ended_at": time.time()})
 
+    def book_checkpoint(self, seconds: float) -> None:
+        """The latest round's checkpoint: seconds it held the learner (its state copied and queued, or
+        written, without `checkpoint_in_background`)."""
+        self.rounds[-1]["checkpoint_s"] = seconds
+
     def book_exchange(self, round_index: int, fragment: int, result, blocked_s: float) -> None:
         """What an applied exchange (a `training.sync.ExchangeResult`) sent, read and missed."""
         self.bytes_written += result.bytes_sent
@@ -48,9 +54,12 @@ class Ledger:
         self.corrupt_reads_detected += result.corrupt_reads
         self.missed_exchanges.extend(result.missed)
         self.seconds_blocked += blocked_s
+        # `seconds`: the exchange's parts on the transport thread, off the learner's path unless it waited
+        # (`blocked_s`) for them.
         self.exchanges.append({"round": round_index, "fragment": fragment, "bytes_sent": result.bytes_sent,
                                "bytes_received": sum(result.bytes_read.values()),
-                               "peers": [r.peer for r in result.received]})
+                               "peers": [r.peer for r in result.received], "blocked_s": blocked_s,
+                               "seconds": dict(result.seconds)})
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -84,7 +93,32 @@ class LearnerSummary(Ledger):
         return asdict(self)
 
 
+def read_summary(store, spec, learner: int) -> LearnerSummary:
+    """A learner's summary from its store: verified, and only if it is the summary of that learner,
+    with the fields a summary has (StoreError naming it otherwise; a forged one finishes no one)."""
+    key = layout.learner_summary(learner)
+    body = store.get_json(key)
+    try:
+        summary = LearnerSummary(**body)
+    except TypeError:
+        store.refused(key)
+        raise IntegrityError(f"object {key} in {store.url} is not a learner's summary") from None
+    if summary.learner != learner or summary.island != spec.learners[learner].island.name:
+        store.refused(key)
+        raise IntegrityError(f"object {key} in {store.url} is the summary of another learner")
+    return summary
+
+
+def finished(stores, spec, learner: int) -> bool:
+    """Whether a learner has trained every round: its summary is there and is its own."""
+    try:
+        read_summary(stores.learner(learner), spec, learner)
+        return True
+    except StoreError:
+        return False
+
+
 def read_summaries(spec, run) -> list[LearnerSummary]:
     """Every learner's summary, each from its island's store (`run`: the run's own store)."""
     stores = RunStores(spec, run)
-    return [LearnerSummary(**stores.learner(i).get_json(layout.learner_summary(i))) for i in range(len(spec.learners))]
+    return [read_summary(stores.learner(i), spec, i) for i in range(len(spec.learners))]

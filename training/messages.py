@@ -9,7 +9,12 @@ expects from that peer in that round, field by field, and anything else is refus
   * metadata: the sending learner, round, fragment and token count the receiver's own plan says
     (the tokens a mix weighs a message by come from the spec, never from the message);
   * payload: exactly the tensors the run's codec produces for the fragment, with their dtypes and
-    shapes, the same element counts, positions in range, and finite values.
+    shapes, the same element counts, positions in range, and finite values;
+  * values: what the payload decodes to is finite (a finite scale of 3e38 decodes to inf), and
+    within bounds of the receiver's own (`check_bounds`): a valid-looking message that would throw
+    the mix far from where the receiver's own training went is refused like a malformed one.
+
+A refusal names the field at fault and quotes at most a few characters of what the message holds.
 
 The expected layout is the codec's own encoding of a zero vector of the fragment's size, so the
 check cannot drift from the encoder.
@@ -26,6 +31,21 @@ from training.compression import Codec, decode_field
 
 class MessageRejected(ValueError):
     """A peer's message is not what the receiver expects; the message says what is wrong."""
+
+
+# A peer's pseudo-gradient may be this many times as long as the receiver's own (islands differ in
+# batch and inner steps, by small factors), plus a floor per element for rounds in which the receiver
+# barely moved; its anchor may sit that far from the receiver's plus this share of the anchor's norm
+# (partners drift apart by a few percent between the rounds they meet).
+BOUND_FACTOR = 10.0
+BOUND_FLOOR_PER_ELEMENT = 1e-3
+ANCHOR_SPREAD = 0.5
+
+
+def short(value) -> str:
+    """What a message holds, cut short for an error: it could be any length."""
+    text = repr(value)
+    return text[:40] + "..." if len(text) > 40 else text
 
 
 @dataclass(frozen=True)
@@ -63,7 +83,7 @@ def accept_message(payload: dict[str, torch.Tensor], meta: dict, expected: Expec
     for name in expected.fields:
         template.update(codec.encode(name, torch.zeros(expected.numel), sparsify=_sparsified(name)))
     if set(payload) != set(template):
-        raise MessageRejected(f"tensors {sorted(payload)}, expected {sorted(template)}")
+        raise MessageRejected(f"tensors {short(sorted(payload))}, expected {sorted(template)}")
     for key, want in template.items():
         got = payload[key]
         if got.dtype != want.dtype or got.shape != want.shape:
@@ -78,11 +98,28 @@ def accept_message(payload: dict[str, torch.Tensor], meta: dict, expected: Expec
             raise MessageRejected(f"tensor {key!r} holds non-finite values")
         if key.endswith(".scale") and bool((got < 0).any()):
             raise MessageRejected(f"tensor {key!r} holds negative scales")
-    return {name: decode_field(name, payload) for name in expected.fields}
+    decoded = {name: decode_field(name, payload) for name in expected.fields}
+    for name, value in decoded.items():
+        if not bool(torch.isfinite(value).all()):
+            raise MessageRejected(f"field {name!r} decodes to non-finite values")
+    return decoded
+
+
+def check_bounds(message: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
+    """Refuse a decoded message whose pseudo-gradient, or whose anchor's distance from the receiver's,
+    is out of proportion to the receiver's own pseudo-gradient (both fp32 vectors of the fragment)."""
+    step = float(own["delta"].norm()) + BOUND_FLOOR_PER_ELEMENT * own["delta"].numel() ** 0.5
+    if float(message["delta"].norm()) > BOUND_FACTOR * step:
+        raise MessageRejected(f"field 'delta' is more than {BOUND_FACTOR:g} times as long as the receiver's own")
+    if "anchor" in message and float((message["anchor"] - own["anchor"]).norm()) > \
+            BOUND_FACTOR * step + ANCHOR_SPREAD * float(own["anchor"].norm()):
+        raise MessageRejected("field 'anchor' lies too far from the receiver's own anchor")
 
 
 def _check_metadata(meta: dict, expected: ExpectedMessage) -> None:
+    if not isinstance(meta, dict):
+        raise MessageRejected("metadata is not an object")
     for name, want in expected.metadata().items():
         got = meta.get(name)
         if type(got) is not type(want) or got != want:
-            raise MessageRejected(f"metadata {name}={got!r}, expected {want!r}")
+            raise MessageRejected(f"metadata {name}={short(got)}, expected {want!r}")

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from infra import layout
+from infra.authority import placeholder_signature
 from infra.spec import RunSpec
 from infra.store import ObjectRef, json_document
 from training.compression import Codec
@@ -79,7 +80,8 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
               "round": round_index, "tokens": spec.learners[learner].tokens_per_round(),
               "fragment": fragment,
               "anchor_from_initial": not codec.lossless}
-    return nbytes + len(json_document(commit))
+    signature = None if spec.signing is None else placeholder_signature(spec.learners[learner].island.name)
+    return nbytes + len(json_document(commit, signature=signature))
 
 
 def message_requests(spec: RunSpec, nbytes: int) -> int:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from infra import layout
+from infra.authority import Authority
 from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
 from infra.spec import RunSpec
@@ -45,13 +46,14 @@ def main(argv: list[str] | None = None) -> int:
         ObjectStore(args.store, args.endpoint_url, credentials_env=args.credentials_env)
         .child(f"runs/{args.run_id}").get_json(layout.SPEC))
     faults = store_faults(spec, args.learner)
+    island = spec.learners[args.learner].island.name
     store = ObjectStore(args.store, args.endpoint_url,
                         RetryPolicy(attempts=spec.store.retry_attempts, budget_s=spec.store.retry_budget_s),
-                        faults, spec.store.credentials_env).child(f"runs/{args.run_id}")
+                        faults, spec.store.credentials_env, Authority.of(spec, island)).child(f"runs/{args.run_id}")
     if world > 1:
         dist.init_process_group("nccl" if spec.learners[args.learner].island.device == "cuda" else "gloo")
     try:
-        learner = Learner(spec, RunStores(spec, store, faults, reader=spec.learners[args.learner].island.name),
+        learner = Learner(spec, RunStores(spec, store, faults, reader=island),
                           args.learner, rank, world)
         learner.resume()
         finished = learner.run(args.until)

@@ -15,7 +15,8 @@ they would grow with every round the run lasts. After each checkpoint it commits
     which write-once allows only while the first copy is still there.
 
 Only the learner that wrote an object retires it, so a learner needs write access to its own
-objects alone.
+objects alone; and it counts only checkpoints it could have written (rounds up to the one it just
+committed), so that commits planted under its prefix for later rounds cannot push its real ones out.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ class Retention:
         """`store_of(i)`: the store holding learner i's objects (see infra/stores.py)."""
         self.store_of, self.learner, self.learners, self.keep = store_of, learner, learners, keep
 
-    def after_checkpoint(self) -> int:
-        """Retire what no one will read again; returns the objects removed."""
+    def after_checkpoint(self, newest: int | None = None) -> int:
+        """Retire what no one will read again, now that the checkpoint of round `newest` is committed;
+        returns the objects removed."""
         if self.keep is None:
             return 0
         store = self.store_of(self.learner)
         mine = store.list(layout.learner_prefix(self.learner))
-        rounds = sorted(layout.checkpoint_rounds(mine))
+        rounds = sorted(t for t in layout.checkpoint_rounds(mine) if newest is None or t <= newest)
         kept = rounds[-self.keep:]
         removed = sum(store.retire(layout.checkpoint(self.learner, t), mine) for t in rounds if t not in kept)
         # Messages before our oldest kept checkpoint go once every other learner has reached it.
@@ -61,6 +63,8 @@ class Retention:
             return False
 
 
-def checkpoint_rounds(store: ObjectStore, learner: int) -> list[int]:
-    """The rounds of a learner's committed checkpoints still in its store."""
-    return layout.checkpoint_rounds(store.list(layout.learner_prefix(learner)))
+def checkpoint_rounds(store: ObjectStore, learner: int, rounds: int | None = None) -> list[int]:
+    """The rounds of a learner's committed checkpoints still in its store; with `rounds` (the run's),
+    only those of rounds the run has."""
+    return [t for t in layout.checkpoint_rounds(store.list(layout.learner_prefix(learner)))
+            if rounds is None or t < rounds]

@@ -18,12 +18,22 @@ from datetime import datetime, timezone
 import torch
 
 from infra import layout
-from infra.store import IntegrityError, ObjectMissing, ObjectStore, StoreError
+from infra.store import IntegrityError, ObjectExists, ObjectMissing, ObjectStore, StoreError
 from training.events import emit
 from training.ledger import Ledger
 from training.params import flat_parameters, load_flat_parameters
+from training.outer import StateRejected
 from training.retention import Retention, checkpoint_rounds
 from training.sync import Exchange, Exchanger
+
+
+class CheckpointRejected(ValueError):
+    """A checkpoint that is not a state of this learner's model and optimizers; says which part."""
+
+
+# A checkpoint's weights may lie this many times the initial weights' norm from them: training moves
+# weights by a fraction of their norm, a planted checkpoint by whatever it likes.
+MAX_WEIGHT_GROWTH = 100.0
 
 
 class LearnerState:
@@ -32,16 +42,57 @@ class LearnerState:
         self.model, self.inner, self.exchanger = model, inner, exchanger
         self.ledger, self.transport, self.device = ledger, transport, device
 
-    def state_dict(self, pending: Exchange | None) -> tuple[dict[str, torch.Tensor], dict]:
+    def check(self, tensors: dict[str, torch.Tensor], meta: dict, rounds: int) -> None:
+        """Raise CheckpointRejected unless a checkpoint (this learner's or a peer's) is a state this
+        learner can take: the tensors its own state has, with their dtypes and shapes, finite, weights
+        within bounds of the initial ones, outer state that fits its optimizers, sane scalars."""
+        initial = self.exchanger.initial
+        params = list(self.model.parameters())
+        allowed = {"weights": initial, "anchors": initial,
+                   **{f"inner.{i}.{name}": p for i, p in enumerate(params) for name in ("exp_avg", "exp_avg_sq")},
+                   **self.exchanger.feedback.state_tensors()}
+        for name, value in tensors.items():
+            if name.startswith("outer.") or name.startswith("fragment-"):
+                continue  # the outer optimizers' own check, below
+            want = allowed.get(name)
+            if want is None:
+                raise CheckpointRejected(f"checkpoint holds an unknown tensor {name[:60]!r}")
+            if value.dtype != torch.float32 or value.shape != want.shape:
+                raise CheckpointRejected(f"checkpoint tensor {name!r} is {value.dtype} {tuple(value.shape)}, "
+                                         f"expected float32 {tuple(want.shape)}")
+            if not bool(torch.isfinite(value).all()):
+                raise CheckpointRejected(f"checkpoint tensor {name!r} holds non-finite values")
+        for name in ("weights", "anchors"):
+            if name in tensors and float((tensors[name] - initial).norm()) > MAX_WEIGHT_GROWTH * float(initial.norm()):
+                raise CheckpointRejected(f"checkpoint tensor {name!r} lies implausibly far from the initial weights")
+        if "weights" not in tensors:
+            raise CheckpointRejected("checkpoint holds no weights")
+        if any(bool((value < 0).any()) for name, value in tensors.items() if name.endswith(".exp_avg_sq")):
+            raise CheckpointRejected("checkpoint holds negative second moments")
+        step, pending = meta.get("inner_step"), meta.get("pending")
+        if type(step) is not int or step < 0:
+            raise CheckpointRejected("checkpoint's inner_step is not a count")
+        if pending is not None and not (isinstance(pending, dict) and set(pending) == {"round", "fragment"}
+                                        and type(pending["round"]) is int and 0 <= pending["round"] < rounds
+                                        and type(pending["fragment"]) is int
+                                        and 0 <= pending["fragment"] < len(self.exchanger.fragments)):
+            raise CheckpointRejected("checkpoint's exchange in flight names no round and fragment of this run")
+        self.exchanger.check_state(tensors, meta.get("outer", {}))
+
+    def state_dict(self, pending: Exchange | None, weights: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """The state as tensors that training never changes afterwards (copies, or the exchanger's
+        snapshots), so a checkpoint can be written from them while training goes on. `weights`: a
+        copy of the model's flat parameters, if the caller has one."""
         exchanger_tensors, outer_scalars = self.exchanger.state_dict()
-        tensors = {"weights": flat_parameters(self.model).cpu(), **exchanger_tensors}
+        weights = flat_parameters(self.model).cpu() if weights is None else weights
+        tensors = {"weights": weights, **exchanger_tensors}
         # With one fragment and nothing in flight, the anchor is the weights the round ended on.
         if len(self.exchanger.fragments) > 1 or pending is not None:
             tensors["anchors"] = self.exchanger.anchors()
         for i, p in enumerate(self.model.parameters()):
             for name, value in self.inner.state.get(p, {}).items():
                 if torch.is_tensor(value) and value.dim() > 0:
-                    tensors[f"inner.{i}.{name}"] = value.cpu()
+                    tensors[f"inner.{i}.{name}"] = value.detach().to("cpu", copy=True)
         first = self.inner.state.get(next(self.model.parameters()), {})
         self.ledger.links, self.ledger.stores = self.transport.report(), self.transport.by_store
         in_flight = None if pending is None else {"round": pending.round, "fragment": pending.fragment}
@@ -74,13 +125,23 @@ class Checkpointer:
         self._in_flight: Future | None = None
 
     def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """`tensors` must not change after this call (`LearnerState.state_dict`'s never do): in the
+        background they are written while training goes on."""
         if not self.background:
-            self._committed(self.store.commit_tensors(key, tensors, meta))
+            self._committed(key, self._commit(key, tensors, meta))
             return
         self.finish()
-        # Training goes on changing the state while the write runs: the checkpoint gets its own copy.
-        copies = {name: tensor.clone() for name, tensor in tensors.items()}
-        self._in_flight = self.transport.submit("checkpoint", self.store.commit_tensors, key, copies, meta)
+        self._in_flight = (key, self.transport.submit("checkpoint", self._commit, key, tensors, meta))
+
+    def _commit(self, key: str, tensors: dict[str, torch.Tensor], meta: dict) -> int:
+        """Commit a checkpoint; one whose key something else took first is skipped (it costs a
+        checkpoint, never the run: a restart resumes from an older one)."""
+        try:
+            return self.store.commit_tensors(key, tensors, meta)
+        except ObjectExists:
+            self.store.refused(key)
+            emit("checkpoint_key_taken", key=key)
+            return 0
 
     def write_curve_weights(self, key: str, weights: torch.Tensor, meta: dict) -> None:
         """Commit the weights alone of a round the bpb curve scores (`layout.curve_weights`), in the
@@ -92,28 +153,32 @@ class Checkpointer:
 
     def finish(self) -> None:
         if self._in_flight is not None:
-            written, self._in_flight = self._in_flight, None
-            self._committed(written.result())
+            (key, written), self._in_flight = self._in_flight, None
+            self._committed(key, written.result())
 
-    def _committed(self, nbytes: int) -> None:
+    def _committed(self, key: str, nbytes: int) -> None:
         self.ledger.checkpoint_bytes += nbytes
-        self.ledger.objects_retired += self.retention.after_checkpoint()
+        newest = layout.checkpoint_rounds([f"{key}.json"])
+        self.ledger.objects_retired += self.retention.after_checkpoint(newest[0] if newest else None)
 
 
 class Lives:
     """The lives of a run's learners, as each records them when it starts (and when it pauses at
     its capacity window's end). Records are write-once, so each is read once."""
 
-    def __init__(self, store_of: Callable[[int], ObjectStore]):
-        """`store_of(i)`: the store holding learner i's objects (see infra/stores.py)."""
-        self.store_of = store_of
-        self._records: dict[str, dict] = {}
+    def __init__(self, store_of: Callable[[int], ObjectStore], rounds: int):
+        """`store_of(i)`: the store holding learner i's objects (see infra/stores.py); `rounds`: the run's."""
+        self.store_of, self.rounds = store_of, rounds
+        self._records: dict[str, dict | None] = {}
 
     def of(self, learner: int) -> list[dict]:
-        """A learner's lives, oldest first, each with whether it ended at a window's end."""
+        """A learner's lives, oldest first, each with whether it ended at a window's end. A record that
+        does not verify or does not fit its schema is no life: a planted one changes nothing."""
         keys = self.store_of(learner).list(layout.liveness_prefix(learner))
-        paused = {key.replace("/paused-", "/life-") for key in keys if "/paused-" in key}
-        return [{**self._record(learner, key), "paused": key in paused} for key in keys if "/life-" in key]
+        paused = {key.replace("/paused-", "/life-") for key in keys
+                  if "/paused-" in key and self._record(learner, key) is not None}
+        lives = [(key, self._record(learner, key)) for key in keys if "/life-" in key]
+        return [{**record, "paused": key in paused} for key, record in lives if record is not None]
 
     def skipped_by(self, peer: int, round_index: int) -> bool:
         """Whether a restart of `peer` skipped the round: its message of that round never comes. A
@@ -123,28 +188,74 @@ class Lives:
         except StoreError:
             return False
 
-    def record(self, learner: int, life: int, start_round: int, resumed_from: dict | None) -> None:
+    def record(self, learner: int, life: int, start_round: int, resumed_from: dict | None) -> int:
         """Record that a life has begun, with the rounds whose messages will never come: a learner
         that rejoins from a peer's checkpoint skips the rounds between its own newest checkpoint
-        and that one, and a partner waiting for one of them stops at once."""
+        and that one, and a partner waiting for one of them stops at once. Returns the life's number:
+        `life`, or the next free one if something that is not a life of ours sits under its key."""
         skipped: list[int] = []
         if resumed_from is not None and resumed_from["learner"] != learner:
-            skipped = list(range(max(checkpoint_rounds(self.store_of(learner), learner), default=-1) + 1, start_round))
-        self.store_of(learner).put_json(layout.learner_life(learner, life), {
-            "learner": learner, "life": life, "start_round": start_round, "resumed_from": resumed_from,
-            "skipped_rounds": skipped, "host": socket.gethostname(), "pid": os.getpid(),
-            "started_at": datetime.now(timezone.utc).isoformat()})
+            skipped = list(range(max(checkpoint_rounds(self.store_of(learner), learner, self.rounds),
+                                     default=-1) + 1, start_round))
+        for number in range(life, life + MAX_SQUATTED_LIVES):
+            try:
+                self.store_of(learner).put_json(layout.learner_life(learner, number), {
+                    "learner": learner, "life": number, "start_round": start_round, "resumed_from": resumed_from,
+                    "skipped_rounds": skipped, "host": socket.gethostname()[:255], "pid": os.getpid(),
+                    "started_at": datetime.now(timezone.utc).isoformat()})
+                break
+            except ObjectExists:
+                emit("life_key_taken", learner=learner, life=number)
+        else:
+            raise StoreError(f"learner {learner}: lives {life} to {number} are all taken by objects it did not write")
         if skipped:
             emit("skipping_rounds", learner=learner, first=skipped[0], last=skipped[-1])
+        return number
 
     def record_pause(self, learner: int, life: int, next_round: int) -> None:
         self.store_of(learner).put_json(layout.learner_paused(learner, life),
                                         {"learner": learner, "life": life, "next_round": next_round})
 
-    def _record(self, learner: int, key: str) -> dict:
+    def _record(self, learner: int, key: str) -> dict | None:
+        """A life or pause record that verifies and fits its schema; None (and counted as refused) for anything else."""
         if key not in self._records:
-            self._records[key] = self.store_of(learner).get_json(key)
+            store = self.store_of(learner)
+            try:
+                record = store.get_json(key, max_bytes=RECORD_MAX_BYTES)
+                self._records[key] = _checked_record(record, learner, key, self.rounds)
+            except IntegrityError:
+                self._records[key] = None
+            except CheckpointRejected:
+                store.refused(key)
+                self._records[key] = None
         return self._records[key]
+
+
+RECORD_MAX_BYTES = 1 << 20  # a life lists the rounds it skips: a few bytes per round of the run
+MAX_SQUATTED_LIVES = 8
+
+
+def _checked_record(record: dict, learner: int, key: str, rounds: int) -> dict:
+    """A life or pause record as its learner writes it (`Lives.record`, `Lives.record_pause`), or
+    CheckpointRejected: its learner and life those of its key, its rounds within the run."""
+    def count(value, upper: int) -> bool:
+        return type(value) is int and 0 <= value <= upper
+
+    life = int(key.rsplit("-", 1)[1].removesuffix(".json"))
+    if record.get("learner") != learner or record.get("life") != life:
+        raise CheckpointRejected(f"record {key} is not learner {learner}'s life {life}")
+    if "/paused-" in key:
+        if not count(record.get("next_round"), rounds):
+            raise CheckpointRejected(f"record {key}: next_round is not a round of the run")
+        return record
+    skipped, resumed = record.get("skipped_rounds"), record.get("resumed_from")
+    if not count(record.get("start_round"), rounds) or not isinstance(skipped, list) or len(skipped) > rounds \
+            or not all(count(t, rounds - 1) for t in skipped):
+        raise CheckpointRejected(f"record {key}: its rounds are not rounds of the run")
+    if resumed is not None and not (isinstance(resumed, dict) and count(resumed.get("learner"), 1 << 20)
+                                    and count(resumed.get("round"), rounds - 1)):
+        raise CheckpointRejected(f"record {key}: resumed_from names no checkpoint of the run")
+    return record
 
 
 @dataclass
@@ -155,36 +266,45 @@ class ResumePoint:
     meta: dict
 
 
-def choose_resume_point(store_of: Callable[[int], ObjectStore], me: int, learners: int) -> ResumePoint | None:
+def choose_resume_point(store_of: Callable[[int], ObjectStore], me: int, learners: int, rounds: int,
+                        check: Callable[[dict, dict], None] = lambda tensors, meta: None) -> ResumePoint | None:
     """The newest state a restarted learner can trust: its own newest checkpoint, unless a peer has
     committed one at least two rounds newer; then the peer's, and the learner rejoins at the round
     its peers are in. Replaying the missed rounds from its own older state would keep it behind,
     and every partner would wait out a deadline for it each round; a peer's checkpoint is that
-    peer's consensus state after the same rounds. Only checkpoints whose checksums verify are used;
-    a corrupt one falls back to the next newest. `store_of(i)`: the store holding learner i's objects."""
-    own = checkpoint_rounds(store_of(me), me)
+    peer's consensus state after the same rounds. Only checkpoints whose checksums (and signatures)
+    verify and that `check(tensors, meta)` accepts are used; any other falls back to the next newest.
+    `store_of(i)`: the store holding learner i's objects; `rounds`: the run's (a checkpoint of a later
+    round is no checkpoint of this run)."""
+    own = checkpoint_rounds(store_of(me), me, rounds)
     newest_own = max(own, default=-1)
     # A peer one round ahead is ordinary skew between learners, not a reason to leave our own state.
     fresher = [(t, peer) for peer in range(learners) if peer != me
-               for t in checkpoint_rounds(store_of(peer), peer) if t > newest_own + 1]
+               for t in checkpoint_rounds(store_of(peer), peer, rounds) if t > newest_own + 1]
     candidates = sorted(fresher + [(t, me) for t in own], key=lambda c: (c[0], c[1] == me), reverse=True)
     for t, learner in candidates:
+        store = store_of(learner)
         try:
-            tensors, meta, _ = store_of(learner).read_committed(layout.checkpoint(learner, t))
+            tensors, meta, _ = store.read_committed(layout.checkpoint(learner, t))
+            check(tensors, meta)
         except IntegrityError as err:
             emit("corrupt_checkpoint", learner=me, error=str(err))
             continue
         except ObjectMissing:  # retired by its learner after we listed it: a newer one exists
             continue
+        except (CheckpointRejected, StateRejected) as err:
+            store.refused(layout.checkpoint(learner, t))
+            emit("refused_checkpoint", learner=me, error=str(err))
+            continue
         return ResumePoint(learner, t, tensors, meta)
     return None
 
 
-def own_ledger(store: ObjectStore, learner: int) -> Ledger:
+def own_ledger(store: ObjectStore, learner: int, rounds: int) -> Ledger:
     """The ledger of a learner's earlier lives, from its newest checkpoint that reads."""
-    for t in sorted(checkpoint_rounds(store, learner), reverse=True):
+    for t in sorted(checkpoint_rounds(store, learner, rounds), reverse=True):
         try:
             return Ledger(**store.get_json(f"{layout.checkpoint(learner, t)}.json")["traffic"])
-        except IntegrityError:
+        except (IntegrityError, KeyError, TypeError):
             continue
     return Ledger()

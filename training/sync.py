@@ -4,10 +4,10 @@ and how both become the fragment's next anchor.
 Each round exchanges one fragment (`training.fragments`). The learner hands the `Exchanger` its
 weights; the exchanger takes the fragment's pseudo-gradient Δ = θ − x against the fragment's
 anchor θ, and on the transport thread commits the message (compressed with error feedback when
-the codec is lossy), then fetches and validates each peer's (`training.messages`). The learner
-goes on computing; `tau` inner steps later it applies the exchange: the sync mode mixes the
-messages, the fragment's outer optimizer steps, and the fragment moves to the new anchor plus the
-local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)).
+the codec is lossy), then fetches and validates each peer's (`training.messages`), mixes them (the
+sync mode) and takes the fragment's outer optimizer step, all while the learner goes on computing.
+`tau` inner steps later the learner applies the exchange: the fragment moves to the new anchor plus
+the local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)).
 
 The exchanger talks to the store only through its transport (`infra.transport.Transport`:
 `submit`, `put_message`, `get_message`, `wait_for_message`), so it is tested against a fake one.
@@ -29,9 +29,9 @@ from infra.transport import MalformedMessage
 from training.compression import Codec, ErrorFeedback
 from training.events import emit
 from training.fragments import FragmentLayout, exchange_count, fragment_of_round
-from training.messages import ExpectedMessage, MessageRejected, accept_message
+from training.messages import ExpectedMessage, MessageRejected, accept_message, check_bounds
 from training.mixing import butterfly_partner, crosses_islands_in, mix_pair, weighted_mean
-from training.outer import OuterOptimizer
+from training.outer import OuterOptimizer, StateRejected
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,12 @@ class Fragment:
     index: torch.Tensor
     anchor: torch.Tensor
     outer: OuterOptimizer
+    # The outer optimizer's state (`OuterOptimizer.state`) after its latest applied step. Checkpoints
+    # take it from here: the live optimizer may be in the middle of the next step on the transport thread.
+    outer_state: tuple[dict[str, torch.Tensor], dict] = field(init=False)
+
+    def __post_init__(self):
+        self.outer_state = self.outer.state()
 
 
 @dataclass
@@ -157,6 +163,9 @@ class ExchangeResult:
     bytes_read: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
     missed: list[dict] = field(default_factory=list)
     corrupt_reads: int = 0
+    anchor: torch.Tensor | None = None  # the fragment's next anchor: the mix after the outer step
+    outer_state: tuple[dict[str, torch.Tensor], dict] | None = None  # the outer optimizer's, after that step
+    seconds: dict[str, float] = field(default_factory=dict)  # the job's parts: publish, receive, outer
 
 
 class Exchanger:
@@ -206,13 +215,11 @@ class Exchanger:
         return Exchange(round_index, fragment.number, sent_weights, future)
 
     def apply(self, exchange: Exchange, weights: torch.Tensor) -> tuple[torch.Tensor, ExchangeResult]:
-        """Wait for the exchange (if it is still in flight), mix, take the fragment's outer step;
+        """Wait for the exchange (if it is still in flight: its job mixes and takes the outer step);
         returns the fragment's new weights (the new anchor plus the progress made since it was sent)."""
         fragment = self.fragments[exchange.fragment]
         result: ExchangeResult = exchange.result.result()
-        lossy_exact = self.spec.sync.transport.mix_own_exact and not self.codec.lossless
-        fragment.anchor = self.mode.mix(fragment.outer, self.slot.index, result.exact if lossy_exact else result.sent,
-                                        self.slot.tokens_per_round(), result.received)
+        fragment.anchor, fragment.outer_state = result.anchor, result.outer_state
         self.feedback.commit(fragment.index, result.residual)
         return fragment.anchor + (weights[fragment.index] - exchange.sent_weights), result
 
@@ -237,19 +244,34 @@ class Exchanger:
             try:
                 sent, sent_meta, _ = self.transport.get_message(key, link, expected.max_bytes)
                 decoded = accept_message(sent, sent_meta, expected, self.codec)
+                # A previous life's message is close to what this life would send; one that is not
+                # was not ours to adopt, whoever wrote it.
+                check_bounds(decoded, fields)
                 residual = self.feedback.residual_after(fields, fragment.index, decoded)
-            except (IntegrityError, MalformedMessage, MessageRejected) as err:
-                # Someone else wrote our key first: peers refuse it as we do, so none of this
-                # round's values reached them; mix with our own and keep the residual as it was.
+            except (StoreError, MessageRejected) as err:
+                # Someone else wrote our key first: peers refuse it as we do (or, if it passes their
+                # checks, it is bounded like any peer's); mix with our own, keep the residual as it was.
                 emit("own_message_refused", learner=self.slot.index, round=round_index, reason=str(err))
                 decoded, residual = dict(fields), {}
         if not self.codec.lossless and "anchor" in decoded:
             decoded["anchor"] = decoded["anchor"] + self.initial[fragment.index]
         return Published({"anchor": decoded.get("anchor", anchor), "delta": decoded["delta"]}, residual, nbytes)
 
-    def receive(self, peer: int, round_index: int, deadline: float | None = None) -> Receipt:
+    def receive(self, peer: int, round_index: int, deadline: float | None = None,
+                own: dict[str, torch.Tensor] | None = None) -> Receipt:
         """Fetch and validate a peer's message of a round, waiting for it until `deadline` (or, without
-        one, `sync.partner_timeout_s`) unless the peer's restart skipped the round."""
+        one, `sync.partner_timeout_s`) unless the peer's restart skipped the round. `own`: this
+        learner's anchor and pseudo-gradient of the fragment, which the message's values are bounded by.
+
+        Whatever goes wrong with a peer's message is a missed exchange, never this learner's end: a
+        store that refuses us, bytes of any shape, records that lie."""
+        try:
+            return self._receive(peer, round_index, deadline, own)
+        except Exception as err:  # noqa: BLE001 - a peer's data must cost an exchange, never the run
+            return self._missed(peer, round_index, f"unreadable: {type(err).__name__}")
+
+    def _receive(self, peer: int, round_index: int, deadline: float | None,
+                 own: dict[str, torch.Tensor] | None) -> Receipt:
         key = self._message_key(peer, round_index)
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         link = self.links[peer]
@@ -269,10 +291,12 @@ class Exchanger:
             return self._missed(peer, round_index, f"unreachable: {err}")
         try:
             message = accept_message(payload, meta, expected, self.codec)
+            if expected.anchor_from_initial and "anchor" in message:
+                message["anchor"] = message["anchor"] + self.initial[self.fragments[expected.fragment].index]
+            if own is not None:
+                check_bounds(message, own)
         except MessageRejected as err:
             return self._missed(peer, round_index, f"refused: {err}", link=link, bytes_read=nbytes)
-        if expected.anchor_from_initial and "anchor" in message:
-            message["anchor"] = message["anchor"] + self.initial[self.fragments[expected.fragment].index]
         return Receipt(peer, Received(peer, message, expected.tokens), link=link, bytes_read=nbytes)
 
     # -- state ----------------------------------------------------------------------------------
@@ -292,12 +316,26 @@ class Exchanger:
         """The outer optimizers' and error feedback's tensors, and the outer optimizers' scalars."""
         tensors, scalars = {}, {}
         if len(self.fragments) == 1:
-            tensors, scalars = self.fragments[0].outer.state()
+            tensors, scalars = self.fragments[0].outer_state
         else:
             for fragment in self.fragments:
-                fragment_tensors, scalars[f"fragment-{fragment.number}"] = fragment.outer.state()
+                fragment_tensors, scalars[f"fragment-{fragment.number}"] = fragment.outer_state
                 tensors.update({f"fragment-{fragment.number}.{k}": v for k, v in fragment_tensors.items()})
         return {**tensors, **self.feedback.state_tensors()}, scalars
+
+    def check_state(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
+        """Raise StateRejected unless `state_dict`'s output of a checkpoint fits fresh outer optimizers
+        of this run (restored into throwaway ones, so this exchanger's own state is untouched)."""
+        if not isinstance(scalars, dict):
+            raise StateRejected("outer optimizer state: scalars are not an object")
+        fresh = [OuterOptimizer.from_spec(self.spec.sync.outer, [p.shape for p in f.outer.params]) for f in self.fragments]
+        if len(self.fragments) == 1:
+            fresh[0].load_state(tensors, scalars)
+            return
+        for fragment, outer in zip(self.fragments, fresh):
+            prefix = f"fragment-{fragment.number}."
+            outer.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                             scalars.get(f"fragment-{fragment.number}", {}))
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
         if len(self.fragments) == 1:
@@ -308,22 +346,36 @@ class Exchanger:
                 fragment.outer.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
                                           scalars.get(f"fragment-{fragment.number}", {}))
         self.feedback.load_state_tensors(tensors)
+        for fragment in self.fragments:
+            fragment.outer_state = fragment.outer.state()
 
     # -- on the transport thread ----------------------------------------------------------------
 
     def _exchange(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor,
                   deadline: float | None) -> ExchangeResult:
+        began = time.monotonic()
         published = self.publish(round_index, anchor, delta)
         result = ExchangeResult(published.sent, {"anchor": anchor, "delta": delta}, published.residual, [],
                                 published.bytes_written)
+        result.seconds["publish"] = time.monotonic() - began
         for peer in self._peers(round_index):
-            receipt = self.receive(peer, round_index, deadline)
+            receipt = self.receive(peer, round_index, deadline, own={"anchor": anchor, "delta": delta})
             result.bytes_read[receipt.link] += receipt.bytes_read
             result.corrupt_reads += receipt.corrupt
             if receipt.message is None:
                 result.missed.append({"round": round_index, "peer": peer, "reason": receipt.reason})
             else:
                 result.received.append(receipt.message)
+        mixing = time.monotonic()
+        result.seconds["receive"] = mixing - began - result.seconds["publish"]
+        # At most one exchange is in flight (tau is at most the inner steps), so this fragment's
+        # optimizer steps for one exchange at a time, in round order.
+        fragment = self.fragment_of(round_index)
+        own = result.exact if self.spec.sync.transport.mix_own_exact and not self.codec.lossless else result.sent
+        result.anchor = self.mode.mix(fragment.outer, self.slot.index, own, self.slot.tokens_per_round(),
+                                      result.received)
+        result.outer_state = fragment.outer.state()
+        result.seconds["outer"] = time.monotonic() - mixing
         return result
 
     def _missed(self, peer: int, round_index: int, reason: str, **details) -> Receipt:
