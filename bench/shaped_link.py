@@ -424,20 +424,21 @@ def island_sites(plan: LinkPlan, spec, workdir: Path):
     end of the link, and per island a worker polling that server from inside the island's own namespace
     (over the link, for the second island). The island's `segment` deployment, the one `make ui`
     registers, runs on that worker, so its learners start there. Yields the server's API URL."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    from flows.serve import prefect_server, register, workers
+    from flows.serve import api_auth_string, prefect_server, register, workers
     from tasks.segments import island_pool
 
     port = free_port(plan.server.address)
-    with prefect_server(port, workdir / "prefect-home", workdir, host=plan.server.address,
+    auth_string = api_auth_string(workdir / "prefect-home")
+    with prefect_server(port, workdir / "prefect-home", workdir, auth_string, host=plan.server.address,
                         wrapper=CONTROL_PLANE_PRIORITY) as api_url, \
-            temporary_settings({PREFECT_API_URL: api_url}):
+            temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}):
         register(spec)
         pools = {island_pool(end.island): (*plan.exec_in(end.island), *island_cores(n, len(plan.ends)),
                                            *CONTROL_PLANE_PRIORITY) for n, end in enumerate(plan.ends)}
         # Not `make ui`'s 2 s: a poll from the second island crosses the link.
-        with workers(list(pools), api_url, workdir, wrappers=pools, query_seconds=WORKER_POLL_S,
+        with workers(list(pools), api_url, auth_string, workdir, wrappers=pools, query_seconds=WORKER_POLL_S,
                      prefetch_seconds=SEGMENT_LEAD_S + WORKER_POLL_S, log_batch_seconds=LOG_BATCH_S):
             log(f"Prefect server {api_url} in {plan.server.namespace}; a worker per island in its namespace: "
                 f"{', '.join(pools)} (logs in {workdir})")
@@ -445,7 +446,7 @@ def island_sites(plan: LinkPlan, spec, workdir: Path):
 
 
 def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     from eval.evaluate import heldout_bpb
     from eval.report import allreduce_equivalent, store_bytes
@@ -462,10 +463,12 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
     errors: list[BaseException] = []
 
     start_at = datetime.now(timezone.utc) + timedelta(seconds=SEGMENT_LEAD_S)
+    auth_string = PREFECT_API_AUTH_STRING.value()  # island_sites' string, from this thread's settings
 
     def island(end: IslandEnd) -> None:
         try:
-            with temporary_settings({PREFECT_API_URL: api_url}):  # settings are per thread
+            # settings are per thread
+            with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}):
                 flow_run = run_segment(spec, run_id, end.island, start_at=start_at)
             segments[end.island] = {"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name,
                                     "seconds": flow_run.total_run_time.total_seconds(),

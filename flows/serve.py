@@ -3,12 +3,19 @@
 Work pools: `archipelago` runs the lifecycle (`archipelago/lifecycle`); `island-<name>` runs that
 island's segments (`segment/island-<name>`). Locally each pool is a process pool with one worker;
 on real infrastructure each island's worker runs at the island.
+
+The API asks every client for an auth string (Prefect's basic auth), and the pools' job template
+offers no variable that picks what a worker executes (`locked_job_template`): whoever can reach the
+UI without the string can do nothing, and one holding it can start the registered flows, not a
+command of their choosing through a run's job variables.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,6 +36,47 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTROL_POOL = "archipelago"
 LIFECYCLE_DEPLOYMENT = "archipelago/lifecycle"
 PLAN_DEPLOYMENT = "plan/plan"
+# The setting every client of the API (CLI, workers, flow runs) reads the auth string from; the
+# server reads its own from PREFECT_SERVER_API_AUTH_STRING.
+AUTH_STRING_ENV = "PREFECT_API_AUTH_STRING"
+AUTH_STRING_FILE = "api-auth-string"
+AUTH_USER = "archipelago"
+# Job variables that choose what a worker executes or how: the command itself, the environment it
+# runs in (PYTHONPATH or PYTHONSTARTUP name code to run) and the folder it starts in (its files join
+# the flow run's import path).
+EXECUTION_VARIABLES = ("command", "env", "working_dir")
+
+
+def api_auth_string(home: Path) -> str:
+    """The string the API asks for: $PREFECT_API_AUTH_STRING if set, else the one kept in
+    `home`/api-auth-string (mode 0600, made on first use, so a restarted server keeps it)."""
+    if given := os.environ.get(AUTH_STRING_ENV):
+        return given
+    path = home / AUTH_STRING_FILE
+    home.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if path.stat().st_mode & 0o077:
+            raise PermissionError(f"{path} is readable by other users: chmod 600 it, or delete it for a new one")
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as out:
+        out.write(f"{AUTH_USER}:{secrets.token_urlsafe(32)}\n")
+    return path.read_text().strip()
+
+
+def locked_job_template() -> dict:
+    """Prefect's process job template without the variables in `EXECUTION_VARIABLES`: a flow run
+    always starts as the worker's own engine command, in the worker's environment, in a fresh
+    folder (its deployment's pull step moves it to the code). Other variables are refused: the
+    server validates a run's job variables against this schema (422) before it exists."""
+    from prefect.workers.process import ProcessWorker
+
+    template = copy.deepcopy(ProcessWorker.get_default_base_job_template())
+    for name in EXECUTION_VARIABLES:
+        del template["job_configuration"][name], template["variables"]["properties"][name]
+    template["variables"]["additionalProperties"] = False
+    return template
 
 
 def pools_of(spec: RunSpec) -> list[str]:
@@ -70,13 +118,15 @@ def _started(command: list[str], env: dict, log: Path):
 
 
 @contextmanager
-def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: float = 120, host: str = "127.0.0.1",
-                   wrapper: tuple[str, ...] = ()):
+def prefect_server(port: int, home: Path, log_dir: Path, auth_string: str, startup_timeout_s: float = 120,
+                   host: str = "127.0.0.1", wrapper: tuple[str, ...] = ()):
     """A `prefect server` bound to `host` (loopback, or an address inside a namespace of the caller's
     own, as the shaped-link bench gives its first island), started under the command prefix
-    `wrapper`; yields its API URL."""
+    `wrapper`, answering only requests that carry `auth_string` (its health check excepted); yields
+    its API URL."""
     home.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_HOST": host,
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_AUTH_STRING": auth_string,
+           "PREFECT_SERVER_API_HOST": host,
            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     api_url = f"http://{host}:{port}/api"
@@ -86,15 +136,16 @@ def prefect_server(port: int, home: Path, log_dir: Path, startup_timeout_s: floa
 
 
 @contextmanager
-def workers(pools: list[str], api_url: str, log_dir: Path, wrappers: dict[str, tuple[str, ...]] | None = None,
-            query_seconds: float = 2, prefetch_seconds: float = 10, log_batch_seconds: float = 2):
+def workers(pools: list[str], api_url: str, auth_string: str, log_dir: Path,
+            wrappers: dict[str, tuple[str, ...]] | None = None, query_seconds: float = 2, prefetch_seconds: float = 10, log_batch_seconds: float = 2):
     """One process worker per work pool, each polling every `query_seconds` for runs scheduled up to
     `prefetch_seconds` ahead (it starts their processes early; Prefect holds each flow to its scheduled
     start); its flow runs send their logs to the API in batches every `log_batch_seconds`.
     `wrappers[pool]`: a command prefix the pool's worker starts under (the shaped-link bench
     starts each island's worker inside the island's network namespace, so its flow runs and learners
     live there)."""
-    env = {**os.environ, "PREFECT_API_URL": api_url, "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
+    env = {**os.environ, "PREFECT_API_URL": api_url, AUTH_STRING_ENV: auth_string,
+           "PREFECT_WORKER_QUERY_SECONDS": str(query_seconds),
            "PREFECT_WORKER_PREFETCH_SECONDS": str(prefetch_seconds),
            "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": str(log_batch_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO_ROOT)}
@@ -107,18 +158,20 @@ def workers(pools: list[str], api_url: str, log_dir: Path, wrappers: dict[str, t
 
 
 async def _ensure_process_pools(names: list[str]) -> None:
+    """Create the pools, or lock the job template of pools made before with another one."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
-    from prefect.workers.process import ProcessWorker
 
+    template = locked_job_template()
     async with get_client() as client:
         for name in names:
             try:
-                await client.read_work_pool(name)
+                if (await client.read_work_pool(name)).base_job_template != template:
+                    await client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
             except ObjectNotFound:
                 await client.create_work_pool(WorkPoolCreate(
-                    name=name, type="process", base_job_template=ProcessWorker.get_default_base_job_template(),
+                    name=name, type="process", base_job_template=template,
                     description="Archipelago control plane" if name == CONTROL_POOL else f"Island {name[7:]}"))
 
 
@@ -171,45 +224,58 @@ def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
 
     asyncio.run(_ensure_process_pools(pools_of(spec)))
     now = datetime.now(timezone.utc)
-    job_variables = {"working_dir": str(root), "env": {"PYTHONPATH": str(root)}}
     ids = {LIFECYCLE_DEPLOYMENT: archipelago.from_source(str(root), "flows/deployments.py:archipelago").deploy(
-        name="lifecycle", work_pool_name=CONTROL_POOL, job_variables=job_variables,
+        name="lifecycle", work_pool_name=CONTROL_POOL,
         parameters={"spec": spec.model_dump(mode="json")},
         schedules=capacity_schedules(spec, now), description=lifecycle_description(spec, now),
         print_next_steps=False, ignore_warnings=True)}
     ids[PLAN_DEPLOYMENT] = plan.from_source(str(root), "flows/deployments.py:plan").deploy(
-        name="plan", work_pool_name=CONTROL_POOL, job_variables=job_variables,
+        name="plan", work_pool_name=CONTROL_POOL,
         parameters={"spec": spec.model_dump(mode="json")}, print_next_steps=False, ignore_warnings=True,
         description="Predict a run's utilisation, bytes and wall time on a link, without training it; with "
                     "capacity windows, the rounds each window holds and where an island waits on another.")
     for island in spec.islands:
         pool = island_pool(island.name)
         ids[f"segment/{pool}"] = segment.from_source(str(root), "flows/deployments.py:segment").deploy(
-            name=pool, work_pool_name=pool, job_variables=job_variables, print_next_steps=False, ignore_warnings=True,
+            name=pool, work_pool_name=pool, print_next_steps=False, ignore_warnings=True,
             description=f"Training segments of island {island.name}, started by the lifecycle per capacity window.")
     return {name: str(deployment_id) for name, deployment_id in ids.items()}
 
 
-def serve(spec: RunSpec, port: int, home: Path, log_dir: Path) -> None:
-    """Bring everything up and keep it up until interrupted."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+@contextmanager
+def served(spec: RunSpec, port: int, home: Path, log_dir: Path):
+    """What `archipelago serve` runs: the server (asking for the auth string `api_auth_string(home)`),
+    the pools and deployments, a worker per pool; yields (API URL, {deployment name: id}) with this
+    thread's Prefect client pointed at the server and holding the string."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    with prefect_server(port, home, log_dir) as api_url, temporary_settings({PREFECT_API_URL: api_url}):
+    auth_string = api_auth_string(home)
+    with prefect_server(port, home, log_dir, auth_string) as api_url, \
+            temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}):
         deployments = register(spec)
-        with workers(pools_of(spec), api_url, log_dir):
-            ui = api_url.removesuffix("/api")
-            print(f"Prefect UI: {ui}", flush=True)
-            for name, deployment_id in deployments.items():
-                print(f"  deployment {name}: {ui}/deployments/deployment/{deployment_id}", flush=True)
-            print(f"  work pools: {', '.join(pools_of(spec))} (one worker each); logs in {log_dir}", flush=True)
-            print("Ctrl-C stops the server and the workers.", flush=True)
-            signal.signal(signal.SIGTERM, _interrupt)
-            try:
-                while True:
-                    signal.pause()
-            except KeyboardInterrupt:
-                pass
+        with workers(pools_of(spec), api_url, auth_string, log_dir):
+            yield api_url, deployments
+
+
+def serve(spec: RunSpec, port: int, home: Path, log_dir: Path) -> None:
+    """Bring everything up and keep it up until interrupted."""
+    with served(spec, port, home, log_dir) as (api_url, deployments):
+        ui = api_url.removesuffix("/api")
+        print(f"Prefect UI: {ui}", flush=True)
+        secret = f"${AUTH_STRING_ENV}" if os.environ.get(AUTH_STRING_ENV) else home / AUTH_STRING_FILE
+        print(f"  the UI and API ask for the auth string in {secret} (the UI's login takes it whole, "
+              f"user:password); clients and workers read it from ${AUTH_STRING_ENV}", flush=True)
+        for name, deployment_id in deployments.items():
+            print(f"  deployment {name}: {ui}/deployments/deployment/{deployment_id}", flush=True)
+        print(f"  work pools: {', '.join(pools_of(spec))} (one worker each); logs in {log_dir}", flush=True)
+        print("Ctrl-C stops the server and the workers.", flush=True)
+        signal.signal(signal.SIGTERM, _interrupt)
+        try:
+            while True:
+                signal.pause()
+        except KeyboardInterrupt:
+            pass
 
 
 def _interrupt(signum, frame) -> None:

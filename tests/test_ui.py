@@ -9,7 +9,14 @@ island segments and the artifacts. Screenshots are kept under tests/output/ui.
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import fcntl
+import itertools
+import json
+import os
 import re
+import select
 import shutil
 import socket
 import subprocess
@@ -17,6 +24,7 @@ import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -33,21 +41,100 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def render(url: str, screenshot: Path, expect: list[str]) -> str:
-    """The page's DOM once the single-page app has rendered it, and a screenshot of it."""
-    browser = shutil.which("chromium")
-    assert browser, "chromium is missing: `apt-get install -y --no-install-recommends chromium` (make test does)"
-    dom = ""
-    for budget in (15_000, 40_000):  # a busy machine may need longer for the app to fetch and draw
-        with tempfile.TemporaryDirectory() as profile:
-            dom = subprocess.run(
-                [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={profile}", "--window-size=1400,1000", f"--virtual-time-budget={budget}",
-                 f"--screenshot={screenshot}", "--dump-dom", url],
-                capture_output=True, text=True, timeout=120).stdout
-        if all(text in dom for text in expect):
-            break
+class Chromium:
+    """Headless Chromium driven over the DevTools protocol on a pipe (fds 3 and 4: no port to reach
+    it by), one page."""
+
+    def __init__(self, profile: str):
+        browser = shutil.which("chromium")
+        assert browser, "chromium is missing: `apt-get install -y --no-install-recommends chromium` (make test does)"
+        to_browser, self._to_browser = os.pipe()
+        self._from_browser, from_browser = os.pipe()
+
+        def pipe_as_fds_3_and_4():
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_browser, from_browser)]
+            os.dup2(high[0], 3)
+            os.dup2(high[1], 4)
+
+        self._process = subprocess.Popen(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--window-size=1400,1000", "--remote-debugging-pipe", "about:blank"],
+            pass_fds=(3, 4), preexec_fn=pipe_as_fds_3_and_4, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(to_browser)
+        os.close(from_browser)
+        self._ids = itertools.count(1)
+        self._pending = b""
+        target = self._call("Target.createTarget", url="about:blank")["targetId"]
+        self._session = self._call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+
+    def _call(self, method: str, session: str | None = None, **params) -> dict:
+        call_id = next(self._ids)
+        message = {"id": call_id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self._to_browser, json.dumps(message).encode() + b"\0")
+        deadline = time.monotonic() + 60
+        while True:
+            while b"\0" not in self._pending:
+                assert time.monotonic() < deadline, f"chromium did not answer {method}"
+                if select.select([self._from_browser], [], [], 1)[0]:
+                    chunk = os.read(self._from_browser, 1 << 20)
+                    assert chunk, f"chromium exited during {method}"
+                    self._pending += chunk
+            raw, self._pending = self._pending.split(b"\0", 1)
+            reply = json.loads(raw)
+            if reply.get("id") == call_id:
+                assert "error" not in reply, (method, reply["error"])
+                return reply["result"]
+
+    def page(self, method: str, **params) -> dict:
+        return self._call(method, self._session, **params)
+
+    def evaluate(self, expression: str):
+        return self.page("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
+
+    def open(self, url: str, timeout_s: float = 60) -> None:
+        """Go to `url` (it answers once the new document is committed) and wait until it has loaded."""
+        self.page("Page.navigate", url=url)
+        deadline = time.monotonic() + timeout_s
+        while self.evaluate("document.readyState") != "complete":
+            assert time.monotonic() < deadline, f"{url} did not load"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, AssertionError):
+            self._call("Browser.close")
+        try:
+            self._process.wait(10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        os.close(self._to_browser)
+        os.close(self._from_browser)
+
+
+def render(url: str, screenshot: Path, expect: list[str], auth_string: str | None, timeout_s: float = 90) -> str:
+    """The page's DOM once the single-page app shows every text in `expect` (or after `timeout_s`),
+    and a screenshot of it. With `auth_string`, logged in first as the UI's login form does it: the
+    string, base64-encoded, in the origin's localStorage (`prefect-password`), which the app sends
+    as basic auth."""
+    origin = "{0.scheme}://{0.netloc}".format(urlsplit(url))
+    with tempfile.TemporaryDirectory() as profile:
+        browser = Chromium(profile)
+        try:
+            if auth_string is not None:
+                browser.open(f"{origin}/robots.txt")
+                token = base64.b64encode(auth_string.encode()).decode()
+                browser.evaluate(f"localStorage.setItem('prefect-password', {json.dumps(token)})")
+            browser.open(url)
+            deadline = time.monotonic() + timeout_s
+            while not all(text in (dom := browser.evaluate("document.documentElement.outerHTML")) for text in expect) \
+                    and time.monotonic() < deadline:
+                time.sleep(0.5)
+            time.sleep(1)  # the last fetched parts drawn
+            dom = browser.evaluate("document.documentElement.outerHTML")
+            screenshot.write_bytes(base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"]))
+        finally:
+            browser.close()
     return dom
 
 
@@ -65,10 +152,9 @@ def wait_final(client, flow_run_id, after_run_count: int = 0):
 
 @pytest.fixture(scope="module")
 def ui_stack(tmp_path_factory):
-    """A Prefect server, the work pools with a worker each, the deployments; yields (api url, spec)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.serve import pools_of, prefect_server, register, workers
+    """What `archipelago serve` starts: a Prefect server asking for an auth string, the work pools with a
+    worker each, the deployments; yields (api url, spec, auth string)."""
+    from flows.serve import api_auth_string, served
 
     root = tmp_path_factory.mktemp("ui")
     now = datetime.now(timezone.utc)
@@ -82,11 +168,8 @@ def ui_stack(tmp_path_factory):
         "store": {"url": str(root / "store")},
         "faults": [{"kind": "fail_stage", "stage": "evaluate"}]})
     OUTPUT.mkdir(parents=True, exist_ok=True)
-    with prefect_server(free_port(), root / "prefect-home", root) as api_url, \
-            temporary_settings({PREFECT_API_URL: api_url}):
-        register(spec)
-        with workers(pools_of(spec), api_url, root):
-            yield api_url, spec
+    with served(spec, free_port(), root / "prefect-home", root) as (api_url, _):
+        yield api_url, spec, api_auth_string(root / "prefect-home")
 
 
 def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_renders(ui_stack):
@@ -99,7 +182,7 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
 
     from flows.serve import LIFECYCLE_DEPLOYMENT
 
-    api_url, spec = ui_stack
+    api_url, spec, auth_string = ui_stack
     ui = api_url.removesuffix("/api")
 
     async def scenario():
@@ -147,27 +230,30 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
     assert by_key["bpb-vs-tokens-png"].data.startswith("[bpb-vs-tokens.png in the run's store](file://")
     assert {a.data for k, a in by_key.items() if k.startswith("progress-")} == {100.0}
 
-    # What a person sees: the run spec as the deployment's run form (titles, descriptions, dropdowns)...
+    # Without the auth string the UI shows its login and nothing of the runs...
+    login = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "0-login.png", ['placeholder="admin:pass"'], None)
+    assert 'placeholder="admin:pass"' in login and done.name not in login
+    # ...with it, what a person sees: the run spec as the deployment's run form (titles, descriptions, dropdowns)...
     form = render(f"{ui}/deployments/deployment/{deployment.id}/run", OUTPUT / "0-run-form.png",
-                  ["Inner Steps", "Bytes per training sequence."])
+                  ["Inner Steps", "Bytes per training sequence."], auth_string)
     assert "Inner Steps" in form and "Bytes per training sequence." in form and "Windows" in form
     assert re.search(r'<option[^>]*value="allreduce"', form), "the sync mode is not a dropdown"
     # ...the run, its task graph, an island's segment on its work pool, and the artifacts.
-    run_page = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "1-run.png", [done.name, "Completed"])
+    run_page = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "1-run.png", [done.name, "Completed"], auth_string)
     assert done.name in run_page and "Completed" in run_page
     graph_page = render(f"{ui}/runs/flow-run/{retried.id}?tab=Task%20Runs", OUTPUT / "2-lifecycle-task-graph.png",
-                        ["figures", "segments-east"])
+                        ["figures", "segments-east"], auth_string)
     assert "<canvas" in graph_page, "the task graph did not render"
     for name in ("segments-east", "segments-west", "evaluate-curve", "figures", "train-standard-baseline"):
         assert name in graph_page
     east = next(s for s in segments if s.work_pool_name == "island-east")
-    segment_page = render(f"{ui}/runs/flow-run/{east.id}", OUTPUT / "3-east-segment.png", [east.name])
+    segment_page = render(f"{ui}/runs/flow-run/{east.id}", OUTPUT / "3-east-segment.png", [east.name], auth_string)
     assert east.name in segment_page and "Work Pool" in segment_page and "island-east" in segment_page
     plot_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-vs-tokens'].id}", OUTPUT / "4-bpb-vs-tokens.png",
-                       ["data:image/png;base64,"])
+                       ["data:image/png;base64,"], auth_string)
     assert re.search(r'<img[^>]+src="data:image/png;base64,', plot_page), "the plot did not render as an image"
     table_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-table'].id}", OUTPUT / "5-bpb-table.png",
-                        ["islands_bpb"])
+                        ["islands_bpb"], auth_string)
     assert "islands_bpb" in table_page and "prose" in table_page and "code" in table_page
     assert all((OUTPUT / f).stat().st_size > 10_000 for f in (
         "0-run-form.png", "1-run.png", "2-lifecycle-task-graph.png", "3-east-segment.png", "4-bpb-vs-tokens.png",
