@@ -16,7 +16,8 @@ from infra.store_errors import StoreError
 # filer_multipart.go, 2026-08), so racing completions can both win: chunks this large keep
 # every object under 5 GiB a single PUT instead of s3fs's multipart from 100 MiB.
 SINGLE_PUT_MAX_BYTES = 5 * 2**30
-# s3fs's own defaults, capped at the retry budget so that one attempt cannot outlast it.
+# s3fs's own defaults, capped at the retry budget. Both are idle timeouts (a server that keeps sending a
+# byte now and then trips neither): what bounds an attempt's total time is the store's (infra/store.py).
 _CONNECT_TIMEOUT_S = 5.0
 _READ_TIMEOUT_S = 15.0
 

@@ -22,6 +22,10 @@ from infra.store_spec import StoreSpec
 from infra.windows import CapacityWindow
 
 
+# What a learner's stall limit allows beyond its deadlines by default: its start, a slow inner step.
+_STALL_MARGIN_S = 600.0
+
+
 class SigningSpec(SpecModel):
     """A writer's signing keys (see infra/authority.py): the public key travels with the spec, the private
     key stays in the writer's environment."""
@@ -243,6 +247,12 @@ class SyncSpec(SpecModel):
         None, gt=0, description="If set, a learner also waits at most this many times its own round's compute "
                                 "time for its partners, so a slow island holds a fast one back by at most about "
                                 "a round; the late partner still mixes with the message when it gets there.")
+    stall_limit_s: float | None = Field(
+        None, gt=0, le=MAX_WAIT_S,
+        description="A learner process that makes no progress (an inner step, a chunk of a message moved, a "
+                    "partner's message settled) for this long exits with an error, so that its retry takes over "
+                    "from a hang that no deadline caught. At least partner_timeout_s plus two of the stores' "
+                    "retry budgets. Empty: that plus 10 minutes.")
     transport: TransportSpec = Field(default_factory=TransportSpec,
                                      description="Fragments, overlap, compression and bandwidth of the exchanges.")
     checkpoint_every: int = Field(
@@ -334,6 +344,26 @@ class RunSpec(SpecModel):
         if transport.tau > shortest:
             raise ValueError(f"sync.transport.tau: {transport.tau} exceeds the fewest inner_steps of an island ({shortest})")
         return self
+
+    @model_validator(mode="after")
+    def _stall_limit_outlasts_deadlines(self) -> "RunSpec":
+        if self.sync.stall_limit_s is not None and self.sync.stall_limit_s < self._longest_legitimate_stall_s:
+            raise ValueError(f"sync.stall_limit_s: {self.sync.stall_limit_s:g} s is shorter than a partner wait and "
+                             f"two store calls may take (partner_timeout_s plus twice the longest retry_budget_s: "
+                             f"{self._longest_legitimate_stall_s:g} s)")
+        return self
+
+    @property
+    def _longest_legitimate_stall_s(self) -> float:
+        budgets = [self.store.retry_budget_s, *(i.store.retry_budget_s for i in self.islands if i.store)]
+        return self.sync.partner_timeout_s + 2 * max(budgets)
+
+    @property
+    def learner_stall_limit_s(self) -> float:
+        """How long a learner process may go without progress before its watchdog ends it (infra/watchdog.py)."""
+        if self.sync.stall_limit_s is not None:
+            return self.sync.stall_limit_s
+        return self._longest_legitimate_stall_s + _STALL_MARGIN_S
 
     def faults_of(self, kind: type) -> list:
         return [f for f in self.faults if isinstance(f, kind)]

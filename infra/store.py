@@ -25,12 +25,14 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
 import torch
+from fsspec.exceptions import FSTimeoutError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
@@ -122,6 +124,41 @@ _GIVE_UP_EVERY_S = 3.0
 JSON_MAX_BYTES = 16 << 20
 # A document nested deeper than this is refused before it is parsed (json.loads would recurse).
 _JSON_MAX_DEPTH = 64
+# fsspec reads a timeout of 0 as no timeout at all: an attempt with no time left gets this instead.
+_MIN_ATTEMPT_S = 0.001
+# When every store call this thread makes must have ended (time.monotonic()), see `calls_end_by`.
+_CALLS_END_BY: ContextVar[float | None] = ContextVar("store_calls_end_by", default=None)
+
+
+@contextlib.contextmanager
+def calls_end_by(deadline: float) -> Iterator[None]:
+    """Every store call made inside, by this thread, ends by `deadline` (time.monotonic() seconds), or
+    by an earlier one it is already under: no retry starts after it, and an S3 request under way is
+    abandoned at it. A wait holds its deadline this way, with whatever it asks on the way (a peer's
+    liveness records, from that peer's store) included."""
+    outer = _CALLS_END_BY.get()
+    token = _CALLS_END_BY.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _CALLS_END_BY.reset(token)
+
+
+def _each_attempt_within(request: Callable, budget_s: float) -> Callable:
+    """`request` (an s3fs call) with every attempt abandoned once `budget_s` from now have passed,
+    whatever the server sends. botocore's read timeout is an idle timeout: a server that trickles a byte
+    every few seconds never trips it, and held one GET for as long as it liked. fsspec's `timeout` runs
+    the request under asyncio.wait_for, which cancels it (closing its connection) at the deadline."""
+    ends = time.monotonic() + budget_s
+
+    def attempt(*args, **kwargs):
+        left = max(ends - time.monotonic(), _MIN_ATTEMPT_S)
+        try:
+            return request(*args, timeout=left, **kwargs)
+        except FSTimeoutError:
+            raise TimeoutError(f"no complete answer in the {left:.2f}s left of the call's "
+                               f"{budget_s:.2f}s budget") from None
+    return attempt
 
 
 class ObjectTooLarge(IntegrityError):
@@ -195,15 +232,22 @@ class ObjectStore:
     def _call(self, describe: str, fn, *args, policy: RetryPolicy | None = None, **kwargs):
         def count(attempt, error, delay):
             self._shared.stats["retries"] += 1
-        return call_with_retry(fn, *args, policy=policy or self.retry, describe=f"{describe} {self.url}",
+        policy = policy or self.retry
+        end_by = _CALLS_END_BY.get()
+        if end_by is not None:
+            policy = dataclasses.replace(policy, budget_s=max(0.0, min(policy.budget_s, end_by - time.monotonic())))
+        if not self.is_local:  # a local call cannot trickle, and local filesystem calls take no timeout
+            fn = _each_attempt_within(fn, policy.budget_s)
+        return call_with_retry(fn, *args, policy=policy, describe=f"{describe} {self.url}",
                                on_retry=count, **kwargs)
 
     def check_reachable(self) -> None:
         """Fail fast, before any training, when the store cannot be written."""
         probe = f"_probe/{uuid.uuid4().hex}"
         try:
-            self._write(probe, b"ok", RetryPolicy(attempts=2, budget_s=10))
-            self.fs.rm_file(self._path(probe))
+            policy = RetryPolicy(attempts=2, budget_s=10)
+            self._write(probe, b"ok", policy)
+            self._call(f"remove {probe} from", self.fs.rm_file, self._path(probe), policy=policy)
         except Exception as err:  # noqa: BLE001 - any failure here means the store is unusable
             raise StoreError(f"store {self.url} is not writable: {type(err).__name__}: {err}") from None
 
@@ -319,29 +363,30 @@ class ObjectStore:
         """The JSON document `key` and its size once it exists, within `timeout_s`; None if it did not
         appear, or once `give_up()` says it never will. `on_poll` is told of every look, for the
         caller's request count. Each look is one GET: a look that finds the document has it, where an
-        existence check (a HEAD) would need a GET after it."""
+        existence check (a HEAD) would need a GET after it. Every store call of the wait, `give_up`'s
+        included, ends with it (`calls_end_by`): a store that has gone away, or trickles, costs the
+        waiter its deadline, not a retry budget per call."""
         deadline = time.monotonic() + timeout_s
         next_ask = time.monotonic() + _GIVE_UP_AFTER_S
-        while True:
-            on_poll()
-            found = self._json_by(key, deadline, max_bytes)
-            if found is not None:
-                return found
-            if time.monotonic() >= next_ask:
-                next_ask = time.monotonic() + _GIVE_UP_EVERY_S
-                if give_up():
-                    return self._json_by(key, deadline, max_bytes)  # it may have landed just before the reason to give up
-            if time.monotonic() >= deadline:
-                return None
-            time.sleep(poll_s)
-            poll_s = min(poll_s * 1.5, 1.0)
+        with calls_end_by(max(deadline, time.monotonic() + _MIN_POLL_BUDGET_S)):
+            while True:
+                on_poll()
+                found = self._json_by(key, deadline, max_bytes)
+                if found is not None:
+                    return found
+                if deadline > time.monotonic() >= next_ask:  # at the deadline, no reason is needed
+                    next_ask = time.monotonic() + _GIVE_UP_EVERY_S
+                    if give_up():
+                        return self._json_by(key, deadline, max_bytes)  # it may have landed just before the reason to give up
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+                poll_s = min(poll_s * 1.5, 1.0)
 
     def _json_by(self, key: str, deadline: float, max_bytes: int) -> tuple[dict, int] | None:
-        """One look of a wait: its retries end with the wait, so a store that has gone away costs the
-        waiter its deadline (and the socket timeout of a request under way), not the retry budget."""
-        budget = min(self.retry.budget_s, max(deadline - time.monotonic(), _MIN_POLL_BUDGET_S))
+        """One look of a wait; a store out of reach before the deadline is the caller's to hear of."""
         try:
-            return self.get_json_sized(key, dataclasses.replace(self.retry, budget_s=budget), max_bytes)
+            return self.get_json_sized(key, max_bytes=max_bytes)
         except ObjectMissing:
             return None
         except StoreUnavailable:

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from infra import layout
+from infra import layout, watchdog
 from infra.store import ObjectExists, ObjectRef, ObjectStore, StoreError, sha256
 
 LINK_CLASSES = ("inter", "intra")
@@ -245,6 +245,7 @@ class Transport:
         """Run one chunk's transfer, then hold the caller until the budget says it has left the link."""
         began = self.clock()
         result = transfer()
+        watchdog.progress()
         done_at = self.budgets[link].book(result.nbytes if isinstance(result, ObjectRef) else size(result), began)
         counters = self.counters[link]
         counters.seconds_paced += self.budgets[link].finish(done_at)

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 import torch
 import torch.distributed as dist
 
-from infra import layout
+from infra import layout, watchdog
 from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
 from infra.stores import RunStores
@@ -215,6 +215,7 @@ class Learner:
             optimizer_step(self.model, self.inner, learning_rate(round_index * island.inner_steps + h, total,
                                                                  self.spec.sync.inner_lr, self.spec.sync.warmup_steps))
             losses.append(loss.item())
+            watchdog.progress()
             if self.pending is not None and self.exchanger.due(h + 1):
                 self._apply_pending()
             if h == island.inner_steps // 2 and self.rank == 0:

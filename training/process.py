@@ -18,7 +18,7 @@ from datetime import datetime
 import torch
 import torch.distributed as dist
 
-from infra import layout
+from infra import layout, watchdog
 from infra.authority import Authority
 from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = RunSpec.model_validate(
         ObjectStore(args.store, args.endpoint_url, credentials_env=args.credentials_env)
         .child(f"runs/{args.run_id}").get_json(layout.SPEC))
+    watchdog.arm(spec.learner_stall_limit_s, f"learner {args.learner} (rank {rank})")
     faults = store_faults(spec, args.learner)
     island = spec.learners[args.learner].island.name
     store = ObjectStore(args.store, args.endpoint_url,

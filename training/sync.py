@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from infra import layout
+from infra import layout, watchdog
 from infra.spec import LearnerSlot, RunSpec
-from infra.store import IntegrityError, ObjectExists, StoreError
+from infra.store import IntegrityError, ObjectExists, StoreError, calls_end_by
 from infra.transport import MalformedMessage
 from training.compression import Codec, ErrorFeedback
 from training.events import emit
@@ -275,12 +275,14 @@ class Exchanger:
         key = self._message_key(peer, round_index)
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         link = self.links[peer]
+        wait_ends = time.monotonic() + timeout
         try:
             commit = self.transport.wait_for_message(key, link, timeout,
                                                      give_up=lambda: self.skipped(peer, round_index))
             if commit is None:
-                return self._missed(peer, round_index, "skipped by the peer's restart"
-                                    if self.skipped(peer, round_index) else "deadline")
+                with calls_end_by(wait_ends):  # why the wait ended is asked within it, not after it
+                    skipped = self.skipped(peer, round_index)
+                return self._missed(peer, round_index, "skipped by the peer's restart" if skipped else "deadline")
             expected = self._expected(peer, round_index)
             payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes, commit)
         except IntegrityError as err:
@@ -360,6 +362,7 @@ class Exchanger:
         result.seconds["publish"] = time.monotonic() - began
         for peer in self._peers(round_index):
             receipt = self.receive(peer, round_index, deadline, own={"anchor": anchor, "delta": delta})
+            watchdog.progress()
             result.bytes_read[receipt.link] += receipt.bytes_read
             result.corrupt_reads += receipt.corrupt
             if receipt.message is None:
