@@ -183,6 +183,9 @@ def plan(args: argparse.Namespace) -> int:
         step_seconds, ready_s = {**profile.step_seconds, **given}, profile.startup_s
         overheads = {"round_overhead_s": profile.round_overhead_s, "teardown_s": profile.teardown_s}
         print(f"profiling run of {len(spec.learners)} learners here: {json.dumps(profile.to_json())}")
+        for island, parts in profile.round_parts_s.items():
+            print(f"island {island}, a round's mean seconds: " + ", ".join(f"{part} {seconds:.4f}"
+                                                                           for part, seconds in parts.items()))
     else:
         step_seconds, ready_s = complete_step_seconds(spec, given)
         for island in spec.islands:

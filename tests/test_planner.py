@@ -186,8 +186,14 @@ def test_a_profile_is_read_from_round_ends_and_per_round_compute():
     from types import SimpleNamespace
     from training.profile_run import summarise
     spec = spec_of(steps=(4, 2), learners=1, rounds=3)
-    summaries = [SimpleNamespace(learner=0, rounds=[{"compute_s": c} for c in (0.5, 0.4, 0.4)]),
-                 SimpleNamespace(learner=1, rounds=[{"compute_s": c} for c in (0.6, 0.6, 0.6)])]
+    def rounds(compute, checkpoint_s):
+        return [{"compute_s": c, "sync_s": 0.05, "checkpoint_s": checkpoint_s} for c in compute]
+
+    def exchanges(outer_steps):
+        return [{"blocked_s": 0.01, "seconds": {"publish": 0.02, "receive": 0.0, "outer_step": s}} for s in outer_steps]
+
+    summaries = [SimpleNamespace(learner=0, rounds=rounds((0.5, 0.4, 0.4), 0.03), exchanges=exchanges((9.0, 0.1, 0.3))),
+                 SimpleNamespace(learner=1, rounds=rounds((0.6, 0.6, 0.6), 0.0), exchanges=exchanges((9.0, 0.2, 0.2)))]
     # Learner 0's rounds end 0.5 s apart: 0.4 s of inner steps and 0.1 s besides; learner 1's 0.8 s apart.
     ends = {0: [5.0, 5.5, 6.0], 1: [6.0, 6.8, 7.6]}
     profile = summarise(spec, summaries, ends, exits={0: 7.0, 1: 8.0})
@@ -195,6 +201,11 @@ def test_a_profile_is_read_from_round_ends_and_per_round_compute():
     assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.2})
     assert profile.startup_s == pytest.approx(6.0 - 0.6 - 0.2)
     assert profile.teardown_s == pytest.approx(1.0)
+    # The parts of a round, means over all rounds but the first (whose outer step builds the optimizer's state).
+    assert profile.round_parts_s["i0"] == pytest.approx({
+        "inner_steps": 0.4, "sync": 0.05, "waiting_for_exchange": 0.01, "checkpoint": 0.03,
+        "publish": 0.02, "receive": 0.0, "outer_step": 0.2})
+    assert profile.round_parts_s["i1"]["outer_step"] == pytest.approx(0.2)
 
 
 def test_plan_command_profiles_with_the_run_s_own_learners(tmp_path, capsys):

@@ -92,6 +92,26 @@ def test_progress_made_after_sending_is_kept_on_top_of_the_new_anchor():
     assert torch.allclose(new, pair[0].anchors() + 0.5, atol=1e-6)
 
 
+def test_the_outer_step_runs_in_the_exchange_and_the_state_to_checkpoint_is_the_one_before_it():
+    """The job on the transport thread mixes and takes the outer step; until the learner applies the
+    exchange, the state a checkpoint takes is the one before that step (a restart from that
+    checkpoint re-runs the exchange, and must not step twice)."""
+    spec = spec_of(tau=1, name="shampoo", shampoo={"start_preconditioning_step": 1})
+    pair = exchangers(spec, FakeTransport())
+    weights = [moved(pair[0].initial, seed) for seed in (1, 2)]
+    before, _ = pair[0].state_dict()
+    sent = [x.start(0, w) for x, w in zip(pair, weights)]
+    result = sent[0].result.result()  # the job is done; the exchange is not applied yet
+    assert result.anchor is not None and result.seconds["outer_step"] > 0
+    assert pair[0].fragments[0].outer.optimizer.state, "the live optimizer has stepped"
+    in_flight, _ = pair[0].state_dict()
+    assert in_flight.keys() == before.keys() and all(torch.equal(in_flight[k], before[k]) for k in before)
+    pair[0].apply(sent[0], weights[0])
+    applied, _ = pair[0].state_dict()
+    assert any(k.startswith("outer.") for k in applied) and set(applied) > set(before)
+    assert torch.equal(pair[0].anchors(), result.anchor)
+
+
 def test_an_exchange_is_due_tau_steps_after_it_was_sent():
     spec = spec_of(tau=1)
     (first, _) = exchangers(spec, FakeTransport())

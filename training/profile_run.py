@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from infra import layout
 from infra.launch import LearnerProcess, run_learner, threads_per_process
@@ -27,6 +27,13 @@ from training.ledger import read_summaries
 
 PROFILE_ROUNDS = 5  # the first round's end starts the clock; four more give each learner four round lengths
 
+# A round's parts, as the learners' summaries record them. On the learner's path: its inner steps,
+# syncing (queueing its message, applying the exchange), the part of syncing spent waiting for the
+# exchange's job, and its checkpoint. On the transport thread, overlapping the next round's inner
+# steps unless the learner waits for them: the message's encoding and write, its peers' messages,
+# the mix and outer step.
+ROUND_PARTS = ("inner_steps", "sync", "waiting_for_exchange", "checkpoint", "publish", "receive", "outer_step")
+
 
 @dataclass(frozen=True)
 class RunProfile:
@@ -34,6 +41,9 @@ class RunProfile:
     round_overhead_s: dict[str, float]  # per island: a round's seconds besides its inner steps, on no link
     startup_s: float  # launch to the first inner step, slowest learner
     teardown_s: float  # the last round's end to the process's exit, slowest learner
+    # Per island, mean seconds of a round's parts (`ROUND_PARTS`), the first round left out as above:
+    # where the overhead comes from. Means, so a checkpoint every k rounds counts 1/k of its cost.
+    round_parts_s: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -84,6 +94,7 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
     """The profile from each learner's summary (compute per round) and when its rounds ended."""
     steps: dict[str, list[float]] = {}
     overheads: dict[str, list[float]] = {}
+    parts: dict[str, dict[str, list[float]]] = {}
     startups, teardowns = [], []
     for summary in summaries:
         island = spec.learners[summary.learner].island
@@ -91,8 +102,19 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
         steps.setdefault(island.name, []).extend(c / island.inner_steps for c in compute[1:])
         overhead = [later - earlier - c for earlier, later, c in zip(ends, ends[1:], compute[1:])]
         overheads.setdefault(island.name, []).extend(overhead)
+        mine = parts.setdefault(island.name, {part: [] for part in ROUND_PARTS})
+        for r in summary.rounds[1:]:
+            mine["inner_steps"].append(r["compute_s"])
+            mine["sync"].append(r["sync_s"])
+            mine["checkpoint"].append(r.get("checkpoint_s", 0.0))
+        for exchange in summary.exchanges[1:]:
+            mine["waiting_for_exchange"].append(exchange["blocked_s"])
+            for part in ("publish", "receive", "outer_step"):
+                mine[part].append(exchange["seconds"][part])
         startups.append(ends[0] - compute[0] - statistics.median(overhead))
         teardowns.append(exits[summary.learner] - ends[-1])
     return RunProfile({name: statistics.median(v) for name, v in steps.items()},
                       {name: max(0.0, statistics.median(v)) for name, v in overheads.items()},
-                      max(startups), max(teardowns))
+                      max(startups), max(teardowns),
+                      {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
+                       for name, island_parts in parts.items()})

@@ -165,7 +165,7 @@ class ExchangeResult:
     corrupt_reads: int = 0
     anchor: torch.Tensor | None = None  # the fragment's next anchor: the mix after the outer step
     outer_state: tuple[dict[str, torch.Tensor], dict] | None = None  # the outer optimizer's, after that step
-    seconds: dict[str, float] = field(default_factory=dict)  # the job's parts: publish, receive, outer
+    seconds: dict[str, float] = field(default_factory=dict)  # the job's parts: publish, receive, outer_step
 
 
 class Exchanger:
@@ -378,7 +378,7 @@ class Exchanger:
         result.anchor = self.mode.mix(fragment.outer, self.slot.index, own, self.slot.tokens_per_round(),
                                       result.received)
         result.outer_state = fragment.outer.state()
-        result.seconds["outer"] = time.monotonic() - mixing
+        result.seconds["outer_step"] = time.monotonic() - mixing
         return result
 
     def _missed(self, peer: int, round_index: int, reason: str, **details) -> Receipt:
