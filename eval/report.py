@@ -91,7 +91,7 @@ def fragment_bytes(summaries: list[LearnerSummary]) -> list[dict]:
 
 
 def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summaries: list[LearnerSummary],
-                 baseline: dict, parameters: dict, wall_seconds: float) -> dict:
+                 baseline: dict, parameters: dict, wall_seconds: float, control_refused: dict | None = None) -> dict:
     islands_tokens = sum(s.tokens for s in summaries)
     computing = sum(s.seconds_computing for s in summaries)
     syncing = sum(s.seconds_syncing for s in summaries)
@@ -107,7 +107,18 @@ def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summa
         "utilisation": computing / (computing + syncing) if computing + syncing else None,
         "seconds_blocked_on_link": sum(s.seconds_blocked for s in summaries),
         "wall_seconds": wall_seconds,
+        "trust": trust_report(spec, summaries, control_refused or {}),
     }
+
+
+def trust_report(spec: RunSpec, summaries: list[LearnerSummary], control_refused: dict) -> dict:
+    """Whether the run's records were signed and checked (infra/authority.py), and what its learners and
+    its control plane refused, by kind of object: what a store writer tried, or what a store damaged."""
+    refused: dict[str, int] = dict(control_refused)
+    for summary in summaries:
+        for kind, count in summary.store.get("refused", {}).items():
+            refused[kind] = refused.get(kind, 0) + count
+    return {"authenticated": spec.signing is not None, "refused": dict(sorted(refused.items()))}
 
 
 def evaluation_entry(islands: dict, baseline: dict) -> dict:
@@ -149,6 +160,10 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
         f"Max relative distance of a learner's weights from their mean: "
         f"{report['consensus']['max_weight_distance']:.4f}; utilisation {report['utilisation']:.3f}; "
         f"wall time {report['wall_seconds']:.1f} s.",
+        "## Trust",
+        ("Records signed by their writers and checked by their readers" if report["trust"]["authenticated"] else
+         "**Unauthenticated run**: no signing keys in the spec, so a store writer could plant records") +
+        f"; objects refused by kind: {report['trust']['refused'] or 'none'}.",
     ])
 
 

@@ -75,8 +75,10 @@ def learner_paused(learner: int, life: int) -> str:
     return f"{liveness_prefix(learner)}/paused-{life:03d}.json"
 
 
-def learner_summary(learner: int) -> str:
-    return f"{learner_prefix(learner)}/summary.json"
+def learner_summary(learner: int, slot: int = 0) -> str:
+    """What a learner writes once it has trained every round. Its later slots are where it writes when
+    something it did not write took an earlier one (a key squatted in its store)."""
+    return f"{learner_prefix(learner)}/summary.json" if slot == 0 else f"{learner_prefix(learner)}/summary-{slot}.json"
 
 
 def baseline_snapshot(step: int) -> str:

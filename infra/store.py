@@ -17,6 +17,7 @@ Nothing read from the store is unpickled: tensors are safetensors, metadata is J
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import hashlib
@@ -159,6 +160,15 @@ def _each_attempt_within(request: Callable, budget_s: float) -> Callable:
             raise TimeoutError(f"no complete answer in the {left:.2f}s left of the call's "
                                f"{budget_s:.2f}s budget") from None
     return attempt
+
+
+# Objects refused by kind in this process, over all its stores: a control plane's stages each open
+# their own, and its report counts what any of them refused.
+_REFUSED_IN_PROCESS: collections.Counter = collections.Counter()
+
+
+def refused_in_process() -> dict[str, int]:
+    return dict(sorted(_REFUSED_IN_PROCESS.items()))
 
 
 class ObjectTooLarge(IntegrityError):
@@ -431,6 +441,7 @@ class ObjectStore:
         kinds = self._shared.stats["refused"]
         kind = kind_of(self._name(key))
         kinds[kind] = kinds.get(kind, 0) + 1
+        _REFUSED_IN_PROCESS[kind] += 1
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor],
                     metadata: dict[str, str] | None = None) -> ObjectRef:

@@ -12,6 +12,7 @@ from eval.evaluate import evaluate
 from eval.report import build_report, evaluation_table, fault_report, settings_markdown
 from infra import layout
 from infra.spec import RunSpec
+from infra.store import refused_in_process
 from infra.stores import open_run
 from tasks.faults import fail_once_if_asked
 from tasks.planning import UNLIMITED_BPS, measured_step_seconds, publish_plan
@@ -38,7 +39,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
     store = open_run(spec, run_id)
     summaries = read_summaries(spec, store)
     report = build_report(spec, run_id, evals, consensus, summaries, baseline,
-                          build_model(spec).parameter_counts(), wall_seconds)
+                          build_model(spec).parameter_counts(), wall_seconds, refused_in_process())
     report["faults"] = fault_report(spec, summaries, store.list("faults"))
     store.put_json(layout.REPORT, report)
     inter_bytes_per_s = spec.sync.transport.bandwidth.inter_island

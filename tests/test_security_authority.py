@@ -16,19 +16,21 @@ from infra.store import IntegrityError, ObjectStore, ObjectTooLarge, json_docume
 from infra.stores import RunStores
 from training.data import prepare_dataset
 from training.learner import Learner
-from training.ledger import finished
+from training.ledger import finished, read_summaries
 from training.outer import OuterOptimizer, StateRejected
 from training.params import flat_parameters
 from training.retention import Retention
 from training.state import CheckpointRejected, Lives
+from tests.corpora import corpus_folder
 
 
 @pytest.fixture
 def signed_run(tmp_path, monkeypatch):
     """A run of two one-learner islands with keys: the control plane's store and each island's, as
     each of them signs; learners in this process, as `training.process` builds them."""
+    corpus = corpus_folder(tmp_path)
     for i in range(6):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 400)
     sections = {}
     for writer in (CONTROL, "a", "b"):
         private, public = generate_keypair()
@@ -40,7 +42,7 @@ def signed_run(tmp_path, monkeypatch):
         "islands": [{"name": name, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2,
                      "signing": sections[name]} for name in ("a", "b")],
         "model": {"layers": 1, "width": 16, "heads": 2},
-        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
         "sync": {"mode": "butterfly", "warmup_steps": 1, "rounds": 3, "partner_timeout_s": 0.5},
         "store": {"url": str(tmp_path / "store")},
@@ -224,8 +226,9 @@ def test_a_learner_inherits_no_other_writers_key(signed_run):
     assert foreign_signing_keys(spec, "a") == ["TEST_SIGNING_KEY_B", "TEST_SIGNING_KEY_CONTROL"]
 
 
-def test_a_signed_run_trains_and_its_exchanges_verify(signed_run):
+def test_a_signed_run_trains_and_its_exchanges_verify_beside_a_squatted_summary(signed_run):
     spec, store_of = signed_run
+    store_of("a").put_json(layout.learner_summary(1), {"learner": 1, "island": "b"})  # a's key, b's learner
     learners = [learner(spec, store_of, i) for i in range(2)]
     threads = [threading.Thread(target=lambda one=one: (one.resume(), one.run())) for one in learners]
     for thread in threads:
@@ -235,3 +238,5 @@ def test_a_signed_run_trains_and_its_exchanges_verify(signed_run):
     for one in learners:
         assert one.ledger.missed_exchanges == [] and len(one.ledger.rounds) == spec.sync.rounds
     assert finished(RunStores(spec, store_of(CONTROL)), spec, 1)
+    assert [s.learner for s in read_summaries(spec, store_of(CONTROL))] == [0, 1]
+    assert store_of(CONTROL).exists(layout.learner_summary(1, 1))  # written past the squatted slot

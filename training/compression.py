@@ -137,7 +137,7 @@ class ErrorFeedback:
         """Payload, the decoded values peers will see, and each field's new residual slice."""
         payload, decoded, residual = {}, {}, {}
         for name, value in fields.items():
-            target = value + self.residual[name][index] if self.enabled else value
+            target = value + self.residual[name].index_select(0, index) if self.enabled else value
             part = self.codec.encode(name, target, sparsify=(sparsify or {}).get(name, True))
             payload.update(part)
             decoded[name] = decode_field(name, part)
@@ -151,11 +151,11 @@ class ErrorFeedback:
         earlier life of this learner committed it first): target minus what peers actually see."""
         if not self.enabled:
             return {}
-        return {name: value + self.residual[name][index] - sent[name] for name, value in fields.items()}
+        return {name: value + self.residual[name].index_select(0, index) - sent[name] for name, value in fields.items()}
 
     def commit(self, index: torch.Tensor, residual: dict[str, torch.Tensor]) -> None:
         for name, value in residual.items():
-            self.residual[name][index] = value
+            self.residual[name].index_copy_(0, index, value)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {f"residual.{name}": r.clone() for name, r in self.residual.items()}

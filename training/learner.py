@@ -35,9 +35,9 @@ from training.streams import WindowSampler, read_stream
 from training.events import emit
 from training.faults import LearnerFaults
 from training.inner import average_gradients, forward_precision, inner_optimizer, optimizer_step
-from training.ledger import Ledger, LearnerSummary
+from training.ledger import Ledger, LearnerSummary, write_summary
 from training.model import build_model
-from training.params import flat_parameters, load_flat_parameters
+from training.params import flat_of, flat_parameters, unflatten_into
 from training.retention import Retention
 from training.schedule import curve_rounds, learning_rate
 from training.state import Checkpointer, LearnerState, Lives, choose_resume_point, own_ledger
@@ -63,6 +63,10 @@ class Learner:
         self.faults = LearnerFaults(spec, self.stores, index)
         self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, flat_parameters(self.model).cpu(),
                                    skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
+        parameters = dict(self.model.named_parameters())
+        # Each fragment's parameters in flat order: a fragment's weights are read and written through
+        # them, never through a copy of the whole model.
+        self.fragment_parameters = [[parameters[name] for name in names] for names in self.exchanger.layout.names]
         self.ledger = Ledger()
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.device)
         # The bpb curve scores the learners' weights after these rounds once training is over.
@@ -118,7 +122,7 @@ class Learner:
         elif meta.get("pending") is not None:
             self.pending = Exchange(meta["pending"]["round"], meta["pending"]["fragment"])
             if self.rank == 0:
-                self.pending = self.exchanger.start(self.pending.round, flat_parameters(self.model).cpu())
+                self.pending = self.exchanger.start(self.pending.round, self._fragment_weights(self.pending.fragment))
         self.start_round = t + 1
         self.rejoined_from = {"learner": learner, "round": t}
         emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
@@ -163,24 +167,25 @@ class Learner:
             self._apply_pending()
         sending = time.monotonic()
         wait = partner_wait_s(self.spec.sync, sending - round_started - self._sync_seconds)
-        weights = None  # rank 0's one copy of the round's weights: sent, scored, checkpointed
         if self.rank == 0:
-            weights = flat_parameters(self.model).cpu()
-            if not math.isfinite(loss) or not bool(torch.isfinite(weights).all()):
+            sent = self._fragment_weights(self.exchanger.fragment_of(t).number)
+            if not math.isfinite(loss) or not bool(torch.isfinite(sent).all()):
                 raise LearnerDiverged(f"learner {self.slot.index} round {t}: its inner loss ({loss}) or weights are "
                                       "not finite; stopping instead of sending them to its peers")
-            self.pending = self.exchanger.start(t, weights, None if wait is None else sending + wait)
+            self.pending = self.exchanger.start(t, sent, None if wait is None else sending + wait)
         else:
             self.pending = Exchange(t, self.exchanger.fragment_of(t).number)
         self._sync_seconds += time.monotonic() - sending
         # The last round's mix is waited for: the final checkpoints are what consolidation averages.
         if self.exchanger.due(0) or t == self.spec.sync.rounds - 1:
             self._apply_pending()
-            weights = flat_parameters(self.model).cpu() if self.rank == 0 else None
         # Syncing is what the learner spent not computing: queueing the send and applying mixes,
         # including any wait for a message still on the link.
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
                                time.monotonic() - round_started - self._sync_seconds, self._sync_seconds)
+        # One copy of the whole model, for the rounds that keep it.
+        keeps = self.rank == 0 and (t in self.curve_rounds or self._checkpoint_due(t))
+        weights = flat_parameters(self.model).cpu() if keeps else None
         # Before the checkpoint: a learner resumed from that checkpoint never comes back to this round.
         if self.rank == 0 and t in self.curve_rounds:
             self.checkpoints.write_curve_weights(layout.curve_weights(self.slot.index, t), weights, {"round": t})
@@ -228,28 +233,28 @@ class Learner:
         index = self.exchanger.fragments[exchange.fragment].index
         began = time.monotonic()
         if self.rank == 0:
-            fragment_weights, result = self.exchanger.apply(exchange, flat_parameters(self.model).cpu())
+            fragment_weights, result = self.exchanger.apply(exchange, self._fragment_weights(exchange.fragment))
             self.ledger.book_exchange(exchange.round, exchange.fragment, result, time.monotonic() - began)
             fragment_weights = fragment_weights.to(self.device)
         else:
             fragment_weights = torch.empty(int(index.numel()), device=self.device)
         if self.world > 1:
             dist.broadcast(fragment_weights, src=0)
-        weights = flat_parameters(self.model)
-        weights[index.to(self.device)] = fragment_weights
-        load_flat_parameters(self.model, weights)
+        unflatten_into(fragment_weights, self.fragment_parameters[exchange.fragment])
         self._sync_seconds += time.monotonic() - began
 
+    def _fragment_weights(self, fragment: int) -> torch.Tensor:
+        """A copy of a fragment's weights, on the CPU, in the order of its index in the flat vector."""
+        return flat_of(self.fragment_parameters[fragment]).cpu()
+
     def _write_summary(self) -> None:
-        key = layout.learner_summary(self.slot.index)
         summary = LearnerSummary.of(
             self.ledger, self.slot.tokens_per_round(), learner=self.slot.index, island=self.slot.island.name,
             processes=self.world, rejoined_from=self.rejoined_from, lives=self.lives.of(self.slot.index),
             links=self.transport.report(), stores=dict(self.transport.by_store), store_url=self.store.url,
             fragment_sizes=self.exchanger.layout.sizes, store=dict(self.store.stats),
             store_faults_injected=dict(getattr(self.store.fs, "counts", {})))
-        if not self.store.exists(key):
-            self.store.put_json(key, summary.to_json())
+        write_summary(self.store, self.spec, summary)
         emit("done", learner=self.slot.index)
 
     # -- capacity windows -----------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from infra import layout
-from infra.store import IntegrityError, StoreError
+from infra.store import IntegrityError, ObjectExists, ObjectMissing, StoreError
 from infra.stores import RunStores
 
 
@@ -93,10 +93,44 @@ class LearnerSummary(Ledger):
         return asdict(self)
 
 
+SUMMARY_SLOTS = 4
+
+
 def read_summary(store, spec, learner: int) -> LearnerSummary:
-    """A learner's summary from its store: verified, and only if it is the summary of that learner,
-    with the fields a summary has (StoreError naming it otherwise; a forged one finishes no one)."""
-    key = layout.learner_summary(learner)
+    """A learner's summary from its store: the first of its slots that verifies and is the summary of
+    that learner, with the fields a summary has (StoreError otherwise: a forged one finishes no one)."""
+    refusals = []
+    for slot in range(SUMMARY_SLOTS):
+        key = layout.learner_summary(learner, slot)
+        try:
+            return _summary_at(store, spec, learner, key)
+        except ObjectMissing:
+            break  # a learner writes its slots in order: none after a free one
+        except IntegrityError as err:
+            refusals.append(str(err))
+    raise ObjectMissing(f"learner {learner} has no summary in {store.url}" +
+                        (f" ({len(refusals)} refused: {'; '.join(refusals)})" if refusals else ""))
+
+
+def write_summary(store, spec, summary: LearnerSummary) -> None:
+    """Write a learner's summary once: in its first slot that nothing else has taken."""
+    for slot in range(SUMMARY_SLOTS):
+        key = layout.learner_summary(summary.learner, slot)
+        try:
+            _summary_at(store, spec, summary.learner, key)
+            return  # an earlier life finished and wrote it
+        except ObjectMissing:
+            try:
+                store.put_json(key, summary.to_json())
+                return
+            except ObjectExists:
+                continue
+        except IntegrityError:
+            continue
+    raise StoreError(f"learner {summary.learner}: every summary slot in {store.url} is taken by objects it did not write")
+
+
+def _summary_at(store, spec, learner: int, key: str) -> LearnerSummary:
     body = store.get_json(key)
     try:
         summary = LearnerSummary(**body)

@@ -7,7 +7,12 @@ import torch
 
 def flat_parameters(model: torch.nn.Module) -> torch.Tensor:
     """A copy of the parameters as one vector (never a view: a view would let training edit the anchor)."""
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+    return flat_of(model.parameters())
+
+
+def flat_of(tensors) -> torch.Tensor:
+    """A copy of `tensors` as one vector, in their order (torch.cat always copies)."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
 
 
 @torch.no_grad()

@@ -205,23 +205,25 @@ class Exchanger:
         """Whether an exchange sent `steps_since_sent` inner steps ago is applied now."""
         return steps_since_sent >= self.tau
 
-    def start(self, round_index: int, weights: torch.Tensor, deadline: float | None = None) -> Exchange:
+    def start(self, round_index: int, fragment_weights: torch.Tensor, deadline: float | None = None) -> Exchange:
         """Queue this round's fragment's exchange on the transport thread; the learner goes on computing.
-        `deadline` (monotonic seconds): when to stop waiting for all peers together."""
+        `fragment_weights`: a copy of the fragment's weights (in the order of its `index`), which no one
+        changes afterwards. `deadline` (monotonic seconds): when to stop waiting for all peers together."""
         fragment = self.fragment_of(round_index)
-        anchor, sent_weights = fragment.anchor.clone(), weights[fragment.index]
-        future = self.transport.submit(self._link_class(round_index), self._exchange, round_index, anchor,
-                                       anchor - sent_weights, deadline)
-        return Exchange(round_index, fragment.number, sent_weights, future)
+        # Anchors are replaced when an exchange is applied, never changed in place: the job may read this one.
+        future = self.transport.submit(self._link_class(round_index), self._exchange, round_index, fragment.anchor,
+                                       fragment_weights, deadline)
+        return Exchange(round_index, fragment.number, fragment_weights, future)
 
-    def apply(self, exchange: Exchange, weights: torch.Tensor) -> tuple[torch.Tensor, ExchangeResult]:
+    def apply(self, exchange: Exchange, fragment_weights: torch.Tensor) -> tuple[torch.Tensor, ExchangeResult]:
         """Wait for the exchange (if it is still in flight: its job mixes and takes the outer step);
-        returns the fragment's new weights (the new anchor plus the progress made since it was sent)."""
+        returns the fragment's new weights (the new anchor plus the progress made since it was sent).
+        `fragment_weights`: the fragment's weights now, in the order of its `index`."""
         fragment = self.fragments[exchange.fragment]
         result: ExchangeResult = exchange.result.result()
         fragment.anchor, fragment.outer_state = result.anchor, result.outer_state
         self.feedback.commit(fragment.index, result.residual)
-        return fragment.anchor + (weights[fragment.index] - exchange.sent_weights), result
+        return fragment.anchor + (fragment_weights - exchange.sent_weights), result
 
     def publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor) -> Published:
         """Commit this round's message. If a previous life of this learner already sent one for the
@@ -353,9 +355,10 @@ class Exchanger:
 
     # -- on the transport thread ----------------------------------------------------------------
 
-    def _exchange(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor,
+    def _exchange(self, round_index: int, anchor: torch.Tensor, sent_weights: torch.Tensor,
                   deadline: float | None) -> ExchangeResult:
         began = time.monotonic()
+        delta = anchor - sent_weights
         published = self.publish(round_index, anchor, delta)
         result = ExchangeResult(published.sent, {"anchor": anchor, "delta": delta}, published.residual, [],
                                 published.bytes_written)

@@ -1,0 +1,157 @@
+"""Trust drill: an attacker holding west's writer key plants objects in the middle of a signed run on
+SeaweedFS, against the same run without the attack.
+
+Two islands, east and west, each with its own signing key; the run's store is one SeaweedFS bucket
+that the attacker can write, with west's S3 credentials and west's signing key. Once east's first
+learner has committed its checkpoint of round 2, the attacker plants, each signed with west's key:
+a checkpoint of that learner two rounds ahead, its message of the next round, a life of its that
+skips every round, a summary of another east learner, a lease claim of the next term, the
+consolidated model's newest rewrite and the standard model's. Both arms run the product's
+lifecycle (`flows.lifecycle.run_lifecycle`) against a Prefect test server.
+
+    .venv/bin/python -m bench.trust_drill
+
+Result: `bench/results/trust_drill.json`: `refused` (counts by kind of object, from the attacked
+run's report), `bpb_relative` (per evaluation, attacked against clean), `crashes` (learner lives
+that did not end cleanly), `planted` (what was planted), and both reports' bpb.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from infra import layout
+from infra.authority import CONTROL, Authority, generate_keypair
+from infra.seaweed import seaweed_server
+from infra.spec import parse_spec
+from infra.store import ObjectStore, run_store
+
+RESULT = Path("bench/results/trust_drill.json")
+KEY_VARIABLES = {CONTROL: "DRILL_SIGNING_KEY_CONTROL", "east": "DRILL_SIGNING_KEY_EAST", "west": "DRILL_SIGNING_KEY_WEST"}
+
+
+def drill_spec(public_keys: dict[str, str]) -> dict:
+    def signing(writer: str) -> dict:
+        return {"public_key": public_keys[writer], "private_key_env": KEY_VARIABLES[writer]}
+
+    return {
+        "name": "trust-drill", "seed": 0,
+        "islands": [{"name": "east", "learners": 2, "batch_size": 8, "seq_len": 64, "inner_steps": 4,
+                     "signing": signing("east")},
+                    {"name": "west", "learners": 2, "batch_size": 8, "seq_len": 64, "inner_steps": 2,
+                     "signing": signing("west")}],
+        "model": {"layers": 2, "width": 64, "heads": 2},
+        "data": {"corpora": [
+            {"name": "prose", "source": "shakespeare", "max_documents": 12, "eval_fraction": 0.2,
+             "max_eval_bytes": 40000},
+            {"name": "code", "source": "python_stdlib", "max_documents": 60, "eval_fraction": 0.2,
+             "max_eval_bytes": 40000}]},
+        "sync": {"mode": "butterfly", "rounds": 40, "warmup_steps": 4, "partner_timeout_s": 30,
+                 "outer": {"name": "nesterov", "lr": 1.0, "momentum": 0.0}},
+        "store": {"url": "s3://archipelago/drill"},
+        "signing": signing(CONTROL),
+    }
+
+
+def plant(attacker: ObjectStore, spec, victim: int, after_round: int) -> list[str]:
+    """Plant, signed with west's key, every object the drill names; returns their keys."""
+    weights = torch.zeros(8)
+    planted = []
+
+    def commit(key: str, tensors: dict, meta: dict) -> None:
+        attacker.commit_tensors(key, tensors, meta)
+        planted.append(f"{key}.json")
+
+    def record(key: str, body: dict) -> None:
+        attacker.put_json(key, body)
+        planted.append(key)
+
+    # Rounds far enough ahead that the victim has not written them yet.
+    commit(layout.message(victim, after_round + 6), {"delta": weights}, {"learner": victim, "round": after_round + 6})
+    commit(layout.checkpoint(victim, after_round + 8), {"weights": weights}, {"inner_step": 0})
+    record(layout.learner_life(victim, 7), {"learner": victim, "life": 7, "start_round": spec.sync.rounds,
+                                           "skipped_rounds": list(range(spec.sync.rounds)), "resumed_from": None})
+    record(layout.learner_summary(victim + 1), {"learner": victim + 1, "island": "east"})
+    record("lease/000002/claim.json", {"holder": "attacker", "expires_at": "9999-01-01T00:00:00+00:00"})
+    for model in (layout.CONSOLIDATED, layout.BASELINE):
+        commit(layout.rewrite(model, 3), {"weights": weights}, {})
+    return planted
+
+
+def run_arm(spec, attack: bool, log) -> dict:
+    from flows.lifecycle import run_lifecycle
+    from tasks.setup import new_run_id
+
+    run_id = new_run_id(spec)
+    planted: list[str] = []
+    done = threading.Event()
+
+    def attacker() -> None:
+        # West's key, as the attacker holds it; the victim is east's first learner.
+        store = ObjectStore.from_spec(spec.store, authority=Authority.of(spec, "west")).child(f"runs/{run_id}")
+        while not done.is_set():
+            if store.is_committed(layout.checkpoint(0, 2)):
+                planted.extend(plant(store, spec, victim=0, after_round=2))
+                log(f"  planted {len(planted)} objects signed with west's key")
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=attacker, daemon=True)
+    if attack:
+        thread.start()
+    started = time.monotonic()
+    report = run_lifecycle(spec, run_id)
+    done.set()
+    return {"run_id": run_id, "wall_s": round(time.monotonic() - started, 1), "report": report, "planted": planted}
+
+
+def main() -> None:
+    from prefect.testing.utilities import prefect_test_harness
+
+    def log(line: str) -> None:
+        print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)
+
+    public = {}
+    for writer, variable in KEY_VARIABLES.items():
+        os.environ[variable], public[writer] = generate_keypair()
+    spec = parse_spec(drill_spec(public))
+    with tempfile.TemporaryDirectory(prefix="trust-drill-") as folder, \
+            seaweed_server(Path(folder), buckets=("archipelago",)) as server, \
+            prefect_test_harness(server_startup_timeout=120):
+        os.environ.update(server.env())
+        arms = {}
+        for attack in (False, True):
+            log(f"arm {'attacked' if attack else 'clean'}: starting")
+            arms[attack] = run_arm(spec, attack, log)
+            log(f"arm {'attacked' if attack else 'clean'}: {arms[attack]['wall_s']} s")
+        attacked, clean = arms[True], arms[False]
+        summaries = [run_store(spec.store, attacked["run_id"]).get_json(layout.learner_summary(i))
+                     for i in range(len(spec.learners))]
+    reports = {arm: arms[flag]["report"] for arm, flag in (("clean", False), ("attacked", True))}
+    result = {
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "date": time.strftime("%Y-%m-%d"),
+        "planted": attacked["planted"],
+        "refused": attacked["report"]["trust"]["refused"],
+        "bpb_relative": {name: e["islands_bpb"] / clean["report"]["evals"][name]["islands_bpb"] - 1
+                         for name, e in attacked["report"]["evals"].items()},
+        "crashes": sum(1 for s in summaries for before in s["lives"][:-1] if not before["paused"]),
+        "missed_exchanges": {arm: r["faults"]["missed_exchanges"] for arm, r in reports.items()},
+        "bpb": {arm: {name: e["islands_bpb"] for name, e in r["evals"].items()} for arm, r in reports.items()},
+        "wall_s": {"clean": clean["wall_s"], "attacked": attacked["wall_s"]},
+    }
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    log(json.dumps({k: result[k] for k in ("refused", "bpb_relative", "crashes", "missed_exchanges")}))
+
+
+if __name__ == "__main__":
+    main()
