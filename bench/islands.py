@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from infra.launch import LearnerFailed, LearnerProcess, run_learner, threads_per_process
-from infra.spec import RunSpec
+from infra.spec import RunSpec, spec_sha256
 from infra.store import run_store
 from training.consolidate import consolidate
 
@@ -71,7 +71,8 @@ def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> di
     def train(slot) -> None:
         for attempt in range(restarts + 1):
             try:
-                return run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
+                return run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads,
+                                                  spec_sha256=spec_sha256(spec)),
                                    spec.store.url, spec.store.endpoint_url, run_id, relay, spec.store.credentials_env)
             except LearnerFailed as err:
                 if attempt == restarts:

@@ -25,7 +25,8 @@ class StoreErrors(SpecModel):
     kind: Literal["store_errors"] = Field(description="Transient store faults on every learner's requests.")
     rate: float = Field(ge=0, le=1, description="Probability that a store request meets a fault.")
     kinds: list[Literal["timeout", "unavailable", "disconnect", "slow", "truncate"]] = Field(
-        ["timeout", "unavailable", "disconnect", "slow"], min_length=1, description="Fault kinds drawn from.")
+        ["timeout", "unavailable", "disconnect", "slow"], min_length=1, max_length=5,
+        description="Fault kinds drawn from.")
     slow_seconds: float = Field(0.2, ge=0, le=MAX_WAIT_S, description="Delay of a 'slow' fault.")
 
 

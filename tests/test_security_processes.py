@@ -18,7 +18,7 @@ import torch
 from eval.evaluate import load_model
 from infra import layout
 from infra.launch import LearnerProcess, run_learner
-from infra.spec import parse_spec
+from infra.spec import parse_spec, spec_sha256
 from infra.store import IntegrityError, ObjectStore
 from tasks.training import learner_relay
 from training.baseline import train_baseline
@@ -27,6 +27,7 @@ from training.data import prepare_dataset
 from training.model import build_model
 from training.params import flat_parameters
 from training.mixing import weighted_mean
+from tests.corpora import corpus_folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,14 +36,15 @@ def endless_learner_run(tmp_path: Path, processes: int, learners: int = 1) -> tu
     """A prepared run with more rounds than a test waits for; learner 0 has `processes` processes
     and, with a second learner that never starts, waits minutes for its partner in round 0.
     Returns the store's URL, which every process of learner 0 carries as `--store URL`, and the run's store."""
+    corpus = corpus_folder(tmp_path)
     for i in range(6):
-        (tmp_path / f"doc{i}.txt").write_text(f"document {i} " * 400)
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 400)
     spec = parse_spec({
         "name": "processes",
         "islands": [{"name": "a", "learners": learners, "batch_size": 2, "seq_len": 16, "inner_steps": 2,
                      "processes_per_learner": processes}],
         "model": {"layers": 2, "width": 16, "heads": 2},
-        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")],
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
         "sync": {"warmup_steps": 1, "rounds": 100_000, "partner_timeout_s": 300},
         "store": {"url": str(tmp_path / "store")},
@@ -114,7 +116,8 @@ def test_a_learner_dies_with_its_killed_launcher(tmp_path, processes):
     expected = 1 if processes == 1 else 1 + processes  # torchrun and its workers
     launcher = subprocess.Popen(
         [sys.executable, "-c", "import sys; from infra.launch import LearnerProcess, run_learner; "
-         f"run_learner(LearnerProcess(0, {processes}, 1), sys.argv[1], None, 'r', print)", store_url], cwd=REPO)
+         f"run_learner(LearnerProcess(0, {processes}, 1, spec_sha256=sys.argv[2]), sys.argv[1], None, 'r', print)",
+         store_url, spec_sha256(store.get_json(layout.SPEC))], cwd=REPO)
     try:
         deadline = time.monotonic() + 120
         while not (store.list(layout.learner_prefix(0)) and len(learner_pids(store_url)) == expected):
@@ -129,7 +132,7 @@ def test_a_learner_dies_with_its_killed_launcher(tmp_path, processes):
 def test_a_relay_error_ends_the_learners_process_group(tmp_path):
     """Bad input: the relay of a torchrun learner's output fails; before, run_learner raised and
     left the learner running for Prefect's retry to start a second copy beside."""
-    store_url, _ = endless_learner_run(tmp_path, 2)
+    store_url, store = endless_learner_run(tmp_path, 2)
     started = []
 
     def broken_relay(line: str) -> None:
@@ -138,7 +141,8 @@ def test_a_relay_error_ends_the_learners_process_group(tmp_path):
             raise StopLearner
 
     with pytest.raises(StopLearner):
-        run_learner(LearnerProcess(0, 2, 1), store_url, None, "r", broken_relay)
+        run_learner(LearnerProcess(0, 2, 1, spec_sha256=spec_sha256(store.get_json(layout.SPEC))), store_url, None, "r",
+                    broken_relay)
     assert len(started) == 3
     assert left_after(store_url, 5.0) == []
 
@@ -146,7 +150,7 @@ def test_a_relay_error_ends_the_learners_process_group(tmp_path):
 def test_a_torchrun_learner_listens_on_loopback_only(tmp_path):
     """Attack surface: torchrun's rendezvous store (unauthenticated) and gloo's sockets; before,
     `--standalone` bound the store to every interface."""
-    store_url, _ = endless_learner_run(tmp_path, 2)
+    store_url, store = endless_learner_run(tmp_path, 2)
     listening = []
 
     def inspect_then_stop(line: str) -> None:
@@ -155,7 +159,8 @@ def test_a_torchrun_learner_listens_on_loopback_only(tmp_path):
             raise StopLearner
 
     with pytest.raises(StopLearner):
-        run_learner(LearnerProcess(0, 2, 1), store_url, None, "r", inspect_then_stop)
+        run_learner(LearnerProcess(0, 2, 1, spec_sha256=spec_sha256(store.get_json(layout.SPEC))), store_url, None, "r",
+                    inspect_then_stop)
     assert len(listening) >= 3  # the rendezvous store and each rank's gloo listener
     assert [(str(a), port) for a, port in listening if not is_loopback(a)] == []
 

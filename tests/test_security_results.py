@@ -16,17 +16,19 @@ from infra import layout
 from infra.lease import LeaseHeld, LeaseLost, RunLease, held_lease, this_process
 from infra.spec import parse_spec
 from infra.store import ObjectStore, run_store
+from tests.corpora import corpus_folder
 
 
 def tiny_spec(root: pathlib.Path, name: str = "sec"):
+    corpus = corpus_folder(root)
     for i in range(6):
-        (root / f"doc{i}.txt").write_text(f"document {i} " * 300)
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 300)
     return parse_spec({
         "name": name,
         "islands": [{"name": island, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}
                     for island in ("a", "b")],
         "model": {"layers": 2, "width": 16, "heads": 2},
-        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(root / "doc*.txt")],
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
         "sync": {"mode": "butterfly", "rounds": 2, "warmup_steps": 1, "partner_timeout_s": 60},
         "store": {"url": str(root / "store")},

@@ -9,6 +9,7 @@ from flows.cli import main
 from infra.spec import parse_spec
 from infra.store import ObjectStore
 from training.corpora import Document
+from tests.corpora import corpus_folder
 from training.data import group_near_duplicates, prepare_dataset, split_documents, split_validation, token_shingles
 
 WORDS = [f"w{i}" for i in range(3000)]
@@ -38,9 +39,10 @@ def prepared(tmp_path: Path, corpus: dict, run_id: str, seed: int = 0, **data) -
 @pytest.fixture
 def text_corpus(tmp_path):
     rng = random.Random(0)
+    corpus = corpus_folder(tmp_path)
     for i in range(40):
-        (tmp_path / f"doc{i:02}.txt").write_text(prose(rng, rng.randint(100, 400)))
-    return {"name": "text", "source": "files", "paths": [str(tmp_path / "doc*.txt")], "eval_fraction": 0.2,
+        (corpus / f"doc{i:02}.txt").write_text(prose(rng, rng.randint(100, 400)))
+    return {"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")], "eval_fraction": 0.2,
             "max_eval_bytes": 5000, "validation_fraction": 0.2, "max_validation_bytes": 5000}
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from infra import layout
 from infra.launch import LearnerProcess, run_learner
-from infra.spec import SpecError, check_windows_ahead, parse_spec
+from infra.spec import SpecError, check_windows_ahead, parse_spec, spec_sha256
 from infra.store import ObjectStore
 from tests.test_lifecycle import TINY
 from training.data import prepare_dataset
@@ -93,7 +93,8 @@ def test_a_window_end_pauses_after_a_committed_round_and_the_next_window_resumes
 def test_a_learner_process_past_its_window_exits_cleanly_without_training(one_learner_run):
     spec, store = one_learner_run
     lines = []
-    run_learner(LearnerProcess(0, 1, 1, until=datetime.now(timezone.utc) - timedelta(seconds=1)),
+    run_learner(LearnerProcess(0, 1, 1, until=datetime.now(timezone.utc) - timedelta(seconds=1),
+                               spec_sha256=spec_sha256(spec)),
                 spec.store.url, None, "windows", lines.append)
     assert any('"window_closed"' in line for line in lines)
     assert not any(store.is_committed(layout.checkpoint(0, t)) for t in range(5))
@@ -192,8 +193,8 @@ def test_a_torchrun_group_pauses_together_after_a_committed_round(tmp_path):
     store.put_json(layout.SPEC, spec.model_dump(mode="json"))
     prepare_dataset(spec, store)
     lines = []
-    run_learner(LearnerProcess(0, 2, 1), spec.store.url, None, "group", lines.append)
+    run_learner(LearnerProcess(0, 2, 1, spec_sha256=spec_sha256(spec)), spec.store.url, None, "group", lines.append)
     assert sum('"window_closed"' in line for line in lines) == 1  # rank 0 speaks for the group
     assert store.is_committed(layout.checkpoint(0, 0)) and not store.is_committed(layout.checkpoint(0, 1))
-    run_learner(LearnerProcess(0, 2, 1), spec.store.url, None, "group", lines.append)
+    run_learner(LearnerProcess(0, 2, 1, spec_sha256=spec_sha256(spec)), spec.store.url, None, "group", lines.append)
     assert [r["round"] for r in store.get_json(layout.learner_summary(0))["rounds"]] == [0, 1, 2]

@@ -26,9 +26,13 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import datasets
 
+from infra.store import parse_store_url
+
 datasets.disable_progress_bars()
 CACHE_DIR = Path.home() / ".cache" / "archipelago"
 DATA_ROOT_ENV = "ARCHIPELAGO_DATA_ROOT"
+# Prefect's home when $PREFECT_HOME does not name one: Prefect's own default.
+PREFECT_HOME_DEFAULT = "~/.prefect"
 PYPI_SIMPLE = "https://pypi.org/simple"
 # Environment variables a subprocess that needs no credentials is not given. PIP_* stay: they are
 # how pip finds its index, whose URL may itself carry a token pip needs.
@@ -218,18 +222,36 @@ def _load_text_files(files: list[Path]) -> list[Document]:
     return [Document(str(f), row["text"]) for f, row in zip(files, ds)]
 
 
-def data_root() -> Path:
-    """The folder `files` corpora may read from: $ARCHIPELAGO_DATA_ROOT, else the working directory.
+def data_root(spec) -> Path:
+    """The folder `files` corpora may read from: $ARCHIPELAGO_DATA_ROOT, which the control plane must set.
 
-    A setting of the control plane, never of the spec: a spec can come from the UI's form, and
-    its author could otherwise name any file the control plane can read.
+    A setting of the control plane, never of the spec: a spec can come from the UI's form, and its
+    author could otherwise name any file the control plane can read. There is no default: a worker's
+    working directory holds Prefect's home (its database) and the default store (every run's objects).
+    For the same reason the root may neither hold nor lie inside Prefect's home or a local store of `spec`.
     """
-    return Path(os.environ.get(DATA_ROOT_ENV) or os.getcwd()).resolve()
+    setting = os.environ.get(DATA_ROOT_ENV)
+    if not setting:
+        raise PermissionError(f"`files` corpora are read only under the control plane's {DATA_ROOT_ENV}, which "
+                              "is not set: set it to the folder that holds the corpora (and neither Prefect's "
+                              "home nor a store)")
+    root = Path(setting).resolve()
+    guarded = {"Prefect's home": Path(os.environ.get("PREFECT_HOME") or PREFECT_HOME_DEFAULT).expanduser().resolve()}
+    for what, store_spec in [("the run's store", spec.store),
+                             *((f"island {i.name}'s store", i.store) for i in spec.islands if i.store)]:
+        url = parse_store_url(store_spec.url)
+        if not url.startswith("s3://"):
+            guarded[what] = Path(url)
+    for what, path in guarded.items():
+        if path.is_relative_to(root) or root.is_relative_to(path):
+            raise PermissionError(f"{DATA_ROOT_ENV} {root} overlaps {what} {path}: a `files` corpus could read it; "
+                                  "set it to a folder that holds only corpora")
+    return root
 
 
-def corpus_files(corpus) -> list[Path]:
-    """The files a `files` corpus's glob patterns match, each of them (symlinks resolved) in the data root."""
-    root = data_root()
+def corpus_files(corpus, root: Path) -> list[Path]:
+    """The files a `files` corpus's glob patterns match, each of them (symlinks resolved) in `root`,
+    the run's `data_root`."""
     for pattern in corpus.paths:
         # The fixed part of a pattern is checked before globbing, so "/**" does not walk the whole disk.
         fixed = Path(*_leading_literal_parts(pattern)).resolve()
@@ -255,15 +277,15 @@ def _leading_literal_parts(pattern: str) -> list[str]:
     return parts
 
 
-def load_documents(corpus, seed: int) -> list[Document]:
-    """All documents of a corpus (a `CorpusSpec`), subsampled by hash with `seed` (the split seed) to
-    `max_documents`."""
+def load_documents(corpus, seed: int, spec) -> list[Document]:
+    """All documents of a corpus (a `CorpusSpec` of `spec`), subsampled by hash with `seed` (the split
+    seed) to `max_documents`."""
     if corpus.source == "shakespeare":
         docs = _load_text_files(shakespeare_files())
     elif corpus.source == "python_stdlib":
         docs = _load_text_files(python_stdlib_files())
     elif corpus.source == "files":
-        docs = _load_text_files(corpus_files(corpus))
+        docs = _load_text_files(corpus_files(corpus, data_root(spec)))
     else:
         ds = datasets.load_dataset(corpus.dataset, split="train")
         docs = [Document(f"{corpus.dataset}:{i}", row[corpus.text_field]) for i, row in enumerate(ds)]

@@ -169,7 +169,7 @@ def prepare_dataset(spec, store) -> dict:
     sides, corpora = {}, {}
     split_seed = spec.data.split_seed
     for corpus in spec.data.corpora:
-        docs = load_documents(corpus, split_seed)
+        docs = load_documents(corpus, split_seed, spec)
         groups = group_near_duplicates(docs)
         train, held = split_documents(groups, corpus.eval_fraction, corpus.max_eval_bytes, split_seed)
         train, tuning = split_validation(train, corpus.validation_fraction, corpus.max_validation_bytes, split_seed)

@@ -1,11 +1,13 @@
-"""A learner's OS process: `python -m training.process --store URL --run-id RUN --learner I`,
-started by `infra.launch` (under `torchrun` when the learner is data-parallel over several
-processes). It reads the run's spec from the run's store, opens that store and its island's own
-(if it has one) with the spec's retry policy and any injected store faults, joins the process
-group, and runs the learner.
+"""A learner's OS process: `python -m training.process --store URL --run-id RUN --spec-sha256 HASH
+--learner I`, started by `infra.launch` (under `torchrun` when the learner is data-parallel over
+several processes). It reads the run's spec from the run's store and refuses it unless it hashes to
+what the control plane passed, arms its watchdog (infra/watchdog.py), opens that store and its
+island's own (if it has one) with the spec's retry policy and any injected store faults, joins the
+process group, and runs the learner.
 
 The exit status tells the launcher how the segment ended: 0 when the learner finished its
-rounds, `WINDOW_CLOSED` when it stopped at its capacity window's end.
+rounds, `WINDOW_CLOSED` when it stopped at its capacity window's end; `watchdog.STALLED` when it
+made no progress for too long.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from infra import layout, watchdog
 from infra.authority import Authority
 from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
-from infra.spec import RunSpec
+from infra.spec import RunSpec, spec_sha256
 from infra.store import ObjectStore
 from infra.stores import RunStores
 from training.faults import store_faults
@@ -34,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--credentials-env", default=None,
                         help="prefix of the run store's credential variables (store.credentials_env)")
     parser.add_argument("--run-id", required=True, help="run id")
+    parser.add_argument("--spec-sha256", required=True,
+                        help="sha256 of the run's spec as the control plane knows it; spec.json must match")
     parser.add_argument("--learner", type=int, required=True, help="global learner index")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     parser.add_argument("--until", type=datetime.fromisoformat, default=None,
@@ -42,9 +46,13 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    spec = RunSpec.model_validate(
-        ObjectStore(args.store, args.endpoint_url, credentials_env=args.credentials_env)
-        .child(f"runs/{args.run_id}").get_json(layout.SPEC))
+    raw_spec = (ObjectStore(args.store, args.endpoint_url, credentials_env=args.credentials_env)
+                .child(f"runs/{args.run_id}").get_json(layout.SPEC))
+    if spec_sha256(raw_spec) != args.spec_sha256:
+        sys.exit(f"learner {args.learner}: the spec.json of run {args.run_id} is not the spec the control plane "
+                 f"started this learner with (sha256 {spec_sha256(raw_spec)[:16]}, expected "
+                 f"{args.spec_sha256[:16]}): someone else wrote it; refusing to train on it")
+    spec = RunSpec.model_validate(raw_spec)
     watchdog.arm(spec.learner_stall_limit_s, f"learner {args.learner} (rank {rank})")
     faults = store_faults(spec, args.learner)
     island = spec.learners[args.learner].island.name

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from infra import layout
 from infra.launch import LearnerProcess, run_learner, threads_per_process
-from infra.spec import RunSpec, parse_spec
+from infra.spec import RunSpec, parse_spec, spec_sha256
 from infra.store import run_store
 from training.ledger import read_summaries
 
@@ -78,7 +78,8 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_
                 with contextlib.suppress(ValueError):
                     if json.loads(line).get("event") == "round":
                         round_times[slot.index].append(time.monotonic() - launched)
-            run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads),
+            run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads,
+                                       spec_sha256=spec_sha256(profiled)),
                         profiled.store.url, profiled.store.endpoint_url, run_id, on_line,
                         profiled.store.credentials_env)
             exits[slot.index] = time.monotonic() - launched
