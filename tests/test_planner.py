@@ -206,6 +206,8 @@ def test_a_profile_is_read_from_round_ends_and_per_round_compute():
         "inner_steps": 0.4, "sync": 0.05, "waiting_for_exchange": 0.01, "checkpoint": 0.03,
         "publish": 0.02, "receive": 0.0, "outer_step": 0.2})
     assert profile.round_parts_s["i1"]["outer_step"] == pytest.approx(0.2)
+    # 128 tokens a round on each island; two rounds each after the first, from 5.0 s to 7.6 s.
+    assert profile.tokens_per_s == pytest.approx(4 * 128 / 2.6)
 
 
 def test_plan_command_profiles_with_the_run_s_own_learners(tmp_path, capsys):

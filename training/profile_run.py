@@ -44,6 +44,9 @@ class RunProfile:
     # Per island, mean seconds of a round's parts (`ROUND_PARTS`), the first round left out as above:
     # where the overhead comes from. Means, so a checkpoint every k rounds counts 1/k of its cost.
     round_parts_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    # The learners together: the tokens of every round after each one's first, over the span from the
+    # earliest first round's end to the latest last round's end.
+    tokens_per_s: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -118,4 +121,7 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
                       {name: max(0.0, statistics.median(v)) for name, v in overheads.items()},
                       max(startups), max(teardowns),
                       {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
-                       for name, island_parts in parts.items()})
+                       for name, island_parts in parts.items()},
+                      sum(spec.learners[s.learner].tokens_per_round() * (len(round_times[s.learner]) - 1)
+                          for s in summaries) /
+                      (max(ends[-1] for ends in round_times.values()) - min(ends[0] for ends in round_times.values())))

@@ -1,0 +1,114 @@
+"""The learner path's tokens per second against standard training's: same cores, model, data and tokens.
+
+For each config, its learners train `--rounds` rounds as `archipelago plan --profile-run` runs them
+(`training.profile_run`: every learner its own OS process, all started together on this machine's
+cores, against a store in a local folder, everything of the round included: inner steps, exchange,
+outer step, checkpoints); their tokens per second are the tokens of every round after each learner's
+first, over the span of those rounds (`RunProfile.tokens_per_s`). Standard training
+(`training.baseline.train_baseline`) then trains the same model on the same shards for the same
+tokens, in one process with a thread per core, and reports its own tokens per second. Both hold the
+benchmarks' CPU lock, one after the other.
+
+    .venv/bin/python -m bench.learner_throughput [--rounds 20] [CONFIG ...]
+
+Writes bench/results/learner_throughput.json and .md, stamped with the git commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.islands import cpu_lock
+from infra import layout
+from infra.spec import RunSpec, load_spec
+from infra.store import run_store
+from training.baseline import train_baseline
+from training.data import prepare_dataset
+from training.profile_run import profile_run
+
+CONFIGS = ("configs/demo.yaml", "configs/brief.yaml")
+RESULTS = Path("bench/results/learner_throughput")
+CPU_LOCK = Path("/work/cpu.lock")
+GOAL = 0.8  # the learner path at least 0.8x standard training's tokens per second
+
+
+def with_rounds(spec: RunSpec, rounds: int) -> RunSpec:
+    return spec.model_copy(update={"sync": spec.sync.model_copy(update={"rounds": rounds})})
+
+
+def standard_tokens_per_s(spec: RunSpec) -> float:
+    """Standard training of the spec's model on its shards and tokens, in this process, every core busy."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    with tempfile.TemporaryDirectory(prefix="archipelago-throughput-") as folder:
+        store = run_store(spec.store.model_copy(update={"url": folder}), "standard")
+        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+        prepare_dataset(spec, store)
+        last: dict = {}
+        train_baseline(spec, store, last.update)
+    return last["tokens_per_s"]
+
+
+def measure(config: str, rounds: int) -> dict:
+    spec = with_rounds(load_spec(config), rounds)
+    with cpu_lock(CPU_LOCK):
+        profile = profile_run(spec, rounds=rounds)
+        standard = standard_tokens_per_s(spec)
+    learners = sum(island.learners for island in spec.islands)
+    return {"config": config, "rounds": rounds, "learners": learners,
+            "processes": sum(i.learners * i.processes_per_learner for i in spec.islands),
+            "tokens": sum(slot.tokens_per_round() for slot in spec.learners) * rounds,
+            "learner_path_tokens_per_s": profile.tokens_per_s, "standard_tokens_per_s": standard,
+            "ratio": profile.tokens_per_s / standard, "round_parts_s": profile.round_parts_s,
+            "round_overhead_s": profile.round_overhead_s, "step_seconds": profile.step_seconds}
+
+
+def markdown(results: dict) -> str:
+    lines = [f"# Learner path against standard training, tokens per second ({results['cores']} cores, "
+             f"commit {results['commit']})", "",
+             "Same model, shards and tokens; the learners as `archipelago plan --profile-run` runs them "
+             "(every round's own work included), standard training in one process on every core. "
+             f"Goal: at least {GOAL}x.", "",
+             "| config | rounds | learners (processes) | learner path tok/s | standard tok/s | ratio |",
+             "|---|---|---|---|---|---|"]
+    for r in results["runs"]:
+        lines.append(f"| {r['config']} | {r['rounds']} | {r['learners']} ({r['processes']}) | "
+                     f"{r['learner_path_tokens_per_s']:,.0f} | {r['standard_tokens_per_s']:,.0f} | {r['ratio']:.2f}x |")
+    lines += ["", "A round's mean seconds per island (`training.profile_run.ROUND_PARTS`):", ""]
+    for r in results["runs"]:
+        for island, parts in r["round_parts_s"].items():
+            lines.append(f"- {r['config']}, {island}: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("configs", nargs="*", default=list(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=20)
+    args = parser.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout.strip()
+    runs = []
+    for config in args.configs:
+        runs.append(measure(config, args.rounds))
+        print(f"{config}: learner path {runs[-1]['learner_path_tokens_per_s']:,.0f} tok/s, standard "
+              f"{runs[-1]['standard_tokens_per_s']:,.0f} tok/s, ratio {runs[-1]['ratio']:.2f}x", flush=True)
+    results = {"commit": commit + ("+uncommitted" if dirty else ""), "cores": os.cpu_count(),
+               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "goal": GOAL, "runs": runs}
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    RESULTS.with_suffix(".md").write_text(markdown(results))
+    print(markdown(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
