@@ -33,7 +33,7 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
     with that round's predecessor checkpointed, and the next segment resumes from there.
     """
     yield_cpu_to_learners()
-    load_credential_blocks(spec)
+    load_credential_blocks(spec, island)  # its own writer key, the other islands' read-only keys
     train = train_learner.with_options(result_storage=result_storage(spec.store))
     learners = [train.submit(spec, run_id, island, slot.index, until)
                 for slot in spec.learners if slot.island.name == island]

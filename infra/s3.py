@@ -57,6 +57,10 @@ def require_aws_credentials() -> None:
                          "or run with an instance or container role")
 
 
+# What a store's credentials_env prefixes: <PREFIX>_AWS_ACCESS_KEY_ID and so on.
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
 def credentials_from_env(prefix: str) -> dict[str, str]:
     """s3fs's key, secret (and token) from <prefix>_AWS_*: one site's credentials beside another's.
     A missing variable is named; no value ever is."""

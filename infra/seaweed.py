@@ -9,6 +9,7 @@ is always killed when the context exits.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import secrets
@@ -45,6 +46,9 @@ class S3Server:
     # Kept out of repr so assertion messages and logs never show it.
     secret_key: str = field(repr=False)
     pid: int = 0  # the server's process (and process group), e.g. for a test that makes it go away
+    # A second identity that may only read and list, when the server was started with one.
+    read_access_key: str = ""
+    read_secret_key: str = field(default="", repr=False)
 
     def env(self) -> dict[str, str]:
         """Variables that point boto-based tools and subprocesses at this server."""
@@ -99,7 +103,8 @@ def _free_ports(count: int, host: str) -> list[int]:
     return ports
 
 
-def _weed_args(weed: str, data_dir: pathlib.Path, ports: dict[str, int], host: str) -> list[str]:
+def _weed_args(weed: str, data_dir: pathlib.Path, ports: dict[str, int], host: str,
+               s3_config: pathlib.Path | None = None) -> list[str]:
     """Build the command line; every port is explicit.
 
     weed mini saves its flags to DIR/mini.options and reloads them for any flag
@@ -121,7 +126,21 @@ def _weed_args(weed: str, data_dir: pathlib.Path, ports: dict[str, int], host: s
     ]
     for name, port in ports.items():
         args += [f"-{name}.port={port}", f"-{name}.port.grpc={port + _GRPC_OFFSET}"]
+    if s3_config is not None:
+        args.append(f"-s3.config={s3_config}")
     return args
+
+
+def _write_identities(path: pathlib.Path, server: S3Server) -> None:
+    """The S3 gateway's identities: the server's own key may do anything, the reader's only read and list."""
+    identities = [
+        {"name": "admin", "credentials": [{"accessKey": server.access_key, "secretKey": server.secret_key}],
+         "actions": ["Admin", "Read", "List", "Tagging", "Write"]},
+        {"name": "reader", "credentials": [{"accessKey": server.read_access_key, "secretKey": server.read_secret_key}],
+         "actions": ["Read", "List"]},
+    ]
+    path.write_text(json.dumps({"identities": identities}))
+    path.chmod(0o600)
 
 
 def _log_tail(log_path: pathlib.Path) -> str:
@@ -183,6 +202,7 @@ def seaweed_server(
     startup_timeout: float = 30.0,
     host: str = _HOST,
     wrapper: Sequence[str] = (),
+    reader: bool = False,
 ) -> Iterator[S3Server]:
     """Start ``weed mini`` storing data in *data_dir*, create *buckets*, yield it.
 
@@ -192,6 +212,8 @@ def seaweed_server(
     shaped-link bench serves one island's address to the other island).
     *wrapper* is prepended to its command line and must exec it, e.g.
     ``ip netns exec NS`` to start it in another namespace than the caller's.
+    *reader*: the server also has an identity that may only read and list
+    (``read_access_key``/``read_secret_key``), as a peer island's key would.
     """
     data_dir = pathlib.Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -201,7 +223,11 @@ def seaweed_server(
         endpoint_url=f"http://{host}:{ports['s3']}",
         access_key=secrets.token_hex(10),
         secret_key=secrets.token_hex(20),
+        **({"read_access_key": secrets.token_hex(10), "read_secret_key": secrets.token_hex(20)} if reader else {}),
     )
+    s3_config = data_dir / "s3-identities.json" if reader else None
+    if s3_config is not None:
+        _write_identities(s3_config, server)
     # weed mini turns these two variables into its admin S3 identity.
     env = {
         **os.environ,
@@ -211,7 +237,7 @@ def seaweed_server(
     log_path = data_dir / "weed.log"
     with log_path.open("ab") as log:
         proc = subprocess.Popen(
-            [*wrapper, *_weed_args(_weed_binary(), data_dir, ports, host)],
+            [*wrapper, *_weed_args(_weed_binary(), data_dir, ports, host, s3_config)],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -28,6 +28,15 @@ class StoreSpec(SpecModel):
                     "aws_secret_access_key and optionally aws_session_token. The lifecycle and each island's "
                     "segment flow load it on their own worker and set <credentials_env>_AWS_* in their process, "
                     "which the learners they start inherit; needs credentials_env. Only the name is in the spec.")
+    read_credentials_env: str | None = Field(
+        None, pattern=r"^[A-Z][A-Z0-9_]{0,47}$",
+        description="Prefix of the variables (<PREFIX>_AWS_*, as credentials_env) of a key that may only read and list "
+                    "this store: what learners of other islands read it with, so that no island holds another's "
+                    "writer key. Empty: readers use credentials_env.")
+    read_credentials_block: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9-]{0,63}$",
+        description="Name of a Prefect Secret block holding the read-only key (as credentials_block); the other "
+                    "islands' segments load it, the island's own does not. Needs read_credentials_env.")
     retry_attempts: int = Field(8, ge=1, le=100, description="Attempts per store request before its stage fails.")
     retry_budget_s: float = Field(120, gt=0, le=MAX_WAIT_S, description="Seconds one store request may spend retrying.")
 
@@ -36,6 +45,8 @@ class StoreSpec(SpecModel):
         if self.credentials_block and not self.credentials_env:
             raise ValueError(f"credentials_block {self.credentials_block!r} needs credentials_env: the prefix of the "
                              "<PREFIX>_AWS_* variables the block's credentials are handed to learners in")
+        if self.read_credentials_block and not self.read_credentials_env:
+            raise ValueError(f"read_credentials_block {self.read_credentials_block!r} needs read_credentials_env")
         return self
 
     @field_validator("url")

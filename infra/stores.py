@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from infra.authority import CONTROL, Authority
 from infra.faults import StoreFaults
+from infra.s3 import CREDENTIAL_VARIABLES
 from infra.spec import RunSpec
 from infra.store import ObjectStore, run_store
 
@@ -32,8 +33,10 @@ class RunStores:
         if name not in self._islands:
             store_spec = island.store
             if self.reader is not None and name != self.reader:
+                # Another island's store is only read, with its read-only key where it has one.
                 store_spec = store_spec.model_copy(update={
-                    "retry_budget_s": min(store_spec.retry_budget_s, self.spec.sync.partner_timeout_s)})
+                    "retry_budget_s": min(store_spec.retry_budget_s, self.spec.sync.partner_timeout_s),
+                    "credentials_env": store_spec.read_credentials_env or store_spec.credentials_env})
             self._islands[name] = ObjectStore.from_spec(store_spec, self.faults, self.run.authority).child(self.run.prefix)
         return self._islands[name]
 
@@ -46,6 +49,18 @@ def open_run(spec: RunSpec, run_id: str, writer: str | None = CONTROL) -> Object
     """The run's store as `writer` signs and checks it (infra/authority.py): CONTROL for the control
     plane, an island's name for its learners, None for a process that only reads."""
     return run_store(spec.store, run_id, Authority.of(spec, writer))
+
+
+def foreign_writer_credentials(spec: RunSpec, island: str) -> list[str]:
+    """The environment variables of other islands' writer keys, which a learner of `island` must not inherit
+    where one environment holds several (a single-host run): it reads those stores with their read-only keys
+    (with the writer's, of an island that has none)."""
+    mine = next(i for i in spec.islands if i.name == island)
+    needed = {spec.store.credentials_env, mine.store.credentials_env if mine.store else None,
+              *(i.store.read_credentials_env or i.store.credentials_env
+                for i in spec.islands if i.store and i.name != island)}
+    foreign = {i.store.credentials_env for i in spec.islands if i.store and i.name != island} - needed - {None}
+    return sorted(f"{prefix}_{variable}" for prefix in foreign for variable in CREDENTIAL_VARIABLES)
 
 
 def check_stores_reachable(spec: RunSpec) -> None:

@@ -17,28 +17,40 @@ _VARIABLES = {"aws_access_key_id": "AWS_ACCESS_KEY_ID", "aws_secret_access_key":
 _REQUIRED = ("aws_access_key_id", "aws_secret_access_key")
 
 
-def load_credential_blocks(spec: RunSpec) -> list[str]:
-    """Set <credentials_env>_AWS_* from every island store's Secret block; returns the blocks' names."""
-    stores = [(f"islands.{n}.store", island.store) for n, island in enumerate(spec.islands) if island.store is not None]
-    loaded = []
-    for field, store in stores:
-        if store.credentials_block is None or store.credentials_block in loaded:
+def load_credential_blocks(spec: RunSpec, island: str | None = None) -> list[str]:
+    """Set <PREFIX>_AWS_* from island stores' Secret blocks; returns the blocks' names.
+
+    `island`: the segment of that island loads its own store's writer block and the other islands'
+    read-only blocks (`read_credentials_block`), so that no island holds another's writer key. None:
+    the control plane, which writes every island's data shards, loads every writer block."""
+    wanted = []  # (field, block, variables' prefix)
+    for n, spec_island in enumerate(spec.islands):
+        store = spec_island.store
+        if store is None:
             continue
-        where = f"{field}.credentials_block"
+        if island is None or spec_island.name == island:
+            wanted.append((f"islands.{n}.store.credentials_block", store.credentials_block, store.credentials_env))
+        else:
+            wanted.append((f"islands.{n}.store.read_credentials_block", store.read_credentials_block,
+                           store.read_credentials_env))
+    loaded = []
+    for where, block, prefix in wanted:
+        if block is None or block in loaded:
+            continue
         try:
-            value = Secret.load(store.credentials_block).get()
+            value = Secret.load(block).get()
         except ValueError:
-            raise SpecError(f"{where}: no Prefect Secret block named {store.credentials_block!r}") from None
+            raise SpecError(f"{where}: no Prefect Secret block named {block!r}") from None
         if not isinstance(value, dict) or any(not isinstance(value.get(key), str) or not value[key]
                                               for key in _REQUIRED):
             keys = sorted(value) if isinstance(value, dict) else type(value).__name__
-            raise SpecError(f"{where}: Secret block {store.credentials_block!r} must hold JSON with "
+            raise SpecError(f"{where}: Secret block {block!r} must hold JSON with "
                             f"{' and '.join(_REQUIRED)} (it has {keys})")
         unknown = sorted(set(value) - set(_VARIABLES))
         if unknown:
-            raise SpecError(f"{where}: Secret block {store.credentials_block!r} has unknown key(s) {unknown}")
+            raise SpecError(f"{where}: Secret block {block!r} has unknown key(s) {unknown}")
         for key, variable in _VARIABLES.items():
             if key in value:
-                os.environ[f"{store.credentials_env}_{variable}"] = value[key]
-        loaded.append(store.credentials_block)
+                os.environ[f"{prefix}_{variable}"] = value[key]
+        loaded.append(block)
     return loaded

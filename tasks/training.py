@@ -14,7 +14,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from infra.authority import foreign_signing_keys
 from infra.launch import LearnerProcess, run_learner, threads_per_process
 from infra.spec import RunSpec, spec_sha256
-from infra.stores import RunStores, open_run
+from infra.stores import RunStores, foreign_writer_credentials, open_run
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
 from training.baseline import train_baseline
@@ -75,7 +75,8 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
     run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until,
                                spec_sha256=spec_sha256(spec)),
                 spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress),
-                spec.store.credentials_env, foreign_signing_keys(spec, island))
+                spec.store.credentials_env,
+                foreign_signing_keys(spec, island) + foreign_writer_credentials(spec, island))
     return {"learner": learner, "island": island,
             "finished": finished(RunStores(spec, open_run(spec, run_id, writer=None)), spec, learner)}
 
