@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from infra import layout
-from infra.launch import yield_cpu_to_learners
+from infra.launch import stop_learners_on_sigterm, yield_cpu_to_learners
 from infra.spec import RunSpec, check_windows_ahead
 from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
@@ -33,6 +33,7 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
     with that round's predecessor checkpointed, and the next segment resumes from there.
     """
     yield_cpu_to_learners()
+    stop_learners_on_sigterm(run_id)  # a cancelled segment's learners stop with it
     load_credential_blocks(spec, island)  # its own writer key, the other islands' read-only keys
     train = train_learner.with_options(result_storage=result_storage(spec.store))
     learners = [train.submit(spec, run_id, island, slot.index, until)

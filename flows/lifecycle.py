@@ -20,14 +20,15 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.runtime import flow_run
 
-from infra.lease import held_lease, this_process
+from infra.launch import stop_learners
+from infra.lease import STOP_MARGIN_S, held_lease, this_process
 from infra.spec import RunSpec
 from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
 from tasks.results import RESULT_SERIALIZER, result_storage
-from tasks.segments import island_segments
+from tasks.segments import island_segments, stop_segments
 from tasks.setup import new_run_id, start_run
 from tasks.training import consolidate_learners, train_learner, train_standard
 
@@ -41,7 +42,7 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     load_credential_blocks(spec)
     run_id = run_id or new_run_id(spec)
     with held_lease(open_run(spec, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
-                    warn=get_run_logger().warning):
+                    warn=get_run_logger().warning, on_lost=lambda reason: stop_run_work(run_id, reason)):
         start_run(spec, run_id)
         prepare_data(spec, run_id)
         if islands_via == "deployments":
@@ -57,6 +58,13 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
         report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
         publish_figures(spec, run_id, report["communication"], curve)
     return report
+
+
+def stop_run_work(run_id: str, reason: str) -> None:
+    """What a lifecycle that cannot keep its lease does before the lease expires: end the learners it
+    runs itself, start no more, and have the islands' workers cancel the run's segment flow runs."""
+    stop_learners(run_id, reason)
+    stop_segments(run_id, reason, timeout_s=STOP_MARGIN_S)
 
 
 def run_lifecycle(spec: RunSpec, run_id: str, islands_via: Literal["tasks", "deployments"] = "tasks",

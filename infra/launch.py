@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -94,6 +95,67 @@ class LearnerFailed(RuntimeError):
     pass
 
 
+class LearnersStopped(LearnerFailed):
+    """The run's learners in this process were stopped by `stop_learners` (its lease could not be kept)."""
+
+
+# The learner processes this process runs, by run id, and the runs whose learners were stopped for
+# good, with why: a retry of a stopped learner must not start a copy beside the run's next holder.
+_running: dict[str, set[subprocess.Popen]] = {}
+_stopped: dict[str, str] = {}
+_running_lock = threading.Lock()
+
+
+def stop_learners(run_id: str, reason: str) -> int:
+    """End the process group of every learner of `run_id` this process runs, and refuse to start
+    more of them; returns how many were running."""
+    with _running_lock:
+        _stopped[run_id] = reason
+        running = list(_running.get(run_id, ()))
+    for proc in running:
+        end_group(proc)
+    return len(running)
+
+
+def stopped_because(run_id: str) -> str | None:
+    """Why `stop_learners` stopped the run's learners in this process, or None."""
+    return _stopped.get(run_id)
+
+
+def stop_learners_on_sigterm(run_id: str) -> None:
+    """On SIGTERM (a worker cancelling this process's flow run), end the run's learners at once, then
+    do what the signal did before. Otherwise the relay threads keep the process, and so its learners,
+    alive until the worker's SIGKILL (30 s later in Prefect 3.9). Main thread only, as Python's
+    signal handlers are; the learners are ended from a thread of their own, so the handler never
+    waits on a lock the interrupted code holds."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame) -> None:
+        threading.Thread(target=stop_learners, args=(run_id, "this process was told to stop (SIGTERM)")).start()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def _tracked(run_id: str, start: Callable[[], subprocess.Popen]):
+    """A learner process `start`ed unless its run was stopped, known to `stop_learners` while it runs."""
+    with _running_lock:
+        if run_id in _stopped:
+            raise LearnersStopped(f"run {run_id}: not starting a learner: {_stopped[run_id]}")
+        proc = start()
+        _running.setdefault(run_id, set()).add(proc)
+    try:
+        yield proc
+    finally:
+        with _running_lock:
+            _running[run_id].discard(proc)
+
+
 def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | None, run_id: str,
                 on_line: Callable[[str], None], credentials_env: str | None = None,
                 withheld_env: Iterable[str] = ()) -> None:
@@ -107,8 +169,9 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
            PARENT_PID: str(os.getpid()), **LOOPBACK_ONLY}
     tail: deque[str] = deque(maxlen=30)
-    with subprocess.Popen(learner.command(store_url, endpoint_url, run_id, credentials_env), stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True) as proc:
+    with _tracked(run_id, lambda: subprocess.Popen(
+            learner.command(store_url, endpoint_url, run_id, credentials_env), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)) as proc, proc:
         try:
             for line in proc.stdout:
                 tail.append(line.rstrip("\n"))
@@ -117,6 +180,8 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
         finally:
             end_group(proc)
     code = proc.returncode
+    if run_id in _stopped:
+        raise LearnersStopped(f"learner {learner.learner} of run {run_id} stopped: {_stopped[run_id]}")
     if code not in (0, WINDOW_CLOSED):
         cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         raise LearnerFailed(f"learner {learner.learner} failed ({cause}); its last output:\n" + "\n".join(tail))

@@ -15,6 +15,10 @@ refused, naming the winner.
 Expiry is judged by the reader's clock against the holder's (both UTC), so hosts' clocks must
 agree to well within the lease's lifetime. A holder that stalls past its expiry may find its run
 taken over; its next renewal notices and it stops renewing (`LeaseLost`).
+
+A lease fences the run's work only if the holder stops that work while the lease is still its own:
+`held_lease` calls its `on_lost` as soon as the run was taken, or as soon as renewals have failed
+for so long that the next try would leave less than `stop_margin_s` before expiry.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ import logging
 import os
 import re
 import socket
+import contextvars
 import threading
 import uuid
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -33,6 +39,11 @@ from infra.store import ObjectExists, ObjectStore, StoreError
 
 LEASE_TTL_S = 120.0
 RENEW_EVERY_S = 30.0
+# What a holder leaves itself to stop the run's work (end its learners' process groups, have the
+# islands' workers cancel its segment flow runs: a worker's poll, then up to its 30 s grace for a
+# flow-run process that does not exit on SIGTERM) before its lease expires. With the defaults, one
+# failed renewal is retried; after a second the run's work stops with 60 s left.
+STOP_MARGIN_S = 60.0
 
 _CLAIM = re.compile(r"^lease/(\d{6})/claim\.json$")
 _RENEWAL = re.compile(r"^lease/\d{6}/renewal-(\d{6})\.json$")
@@ -148,28 +159,45 @@ class RunLease:
 
 @contextmanager
 def held_lease(store: ObjectStore, run_id: str, holder: dict[str, str], warn=logging.getLogger(__name__).warning,
-               ttl_s: float = LEASE_TTL_S, renew_every_s: float = RENEW_EVERY_S):
+               ttl_s: float = LEASE_TTL_S, renew_every_s: float = RENEW_EVERY_S, stop_margin_s: float = STOP_MARGIN_S,
+               on_lost: Callable[[str], None] = lambda reason: None):
     """Hold the run's lease for the body, renewed by a background thread, released at the end.
 
-    A body that completes after the lease was lost raises `LeaseLost`: another lifecycle drove the
-    run meanwhile. `warn` receives renewal problems as they happen."""
+    When the run was taken, or renewals failed (any error: a store outage, an expired token, a full
+    disk) until the next try would leave less than `stop_margin_s` before expiry, the thread stops
+    renewing and calls `on_lost(reason)`, which must stop the run's work; the body then ends by
+    raising `LeaseLost`. `warn` receives renewal problems as they happen. The thread runs in a copy
+    of the caller's context (its Prefect settings and run)."""
     lease = RunLease.acquire(store, run_id, holder, ttl_s)
     stop = threading.Event()
     lost: list[LeaseLost] = []
+
+    def give_up(err: LeaseLost) -> None:
+        warn("%s; stopped renewing, stopping the run's work", err)
+        lost.append(err)
+        try:
+            on_lost(str(err))
+        except Exception as stop_err:  # noqa: BLE001 - the thread must outlive any failure to report it
+            warn("run %s: stopping its work failed: %r", run_id, stop_err)
 
     def keep_renewed() -> None:
         while not stop.wait(renew_every_s):
             try:
                 lease.renew()
             except LeaseLost as err:
-                warn("%s; stopped renewing", err)
-                lost.append(err)
+                give_up(err)
                 return
-            except StoreError as err:  # a store outage: try again until the lease would expire
-                warn("run %s: renewing its lease failed (%s); it expires at %s unless a renewal succeeds",
+            except Exception as err:  # noqa: BLE001 - any failure to renew is a renewal not made
+                left_s = (lease.expires_at - _now()).total_seconds()
+                if left_s - renew_every_s < stop_margin_s:
+                    give_up(LeaseLost(f"run {run_id}: its lease (term {lease.term}) could not be renewed ({err!r}) "
+                                      f"and expires at {_stamp(lease.expires_at)}, {left_s:.0f} s from now"))
+                    return
+                warn("run %s: renewing its lease failed (%r); it expires at %s unless a renewal succeeds",
                      run_id, err, _stamp(lease.expires_at))
 
-    renewer = threading.Thread(target=keep_renewed, name=f"lease-{run_id}", daemon=True)
+    renewer = threading.Thread(target=contextvars.copy_context().run, args=(keep_renewed,), name=f"lease-{run_id}",
+                               daemon=True)
     renewer.start()
     try:
         yield lease

@@ -4,15 +4,26 @@ Each island is a separate place to run code, reached the way Prefect reaches inf
 the lifecycle asks the island's `segment` deployment for a run per capacity window (scheduled at
 the window's start), and the island's worker executes it. Whether the island's learners finished
 is read from the store, the run's source of truth, not from the segment's return value.
+
+An island runs one segment of a run at a time: its flow runs carry the tags `run:<run id>` and
+`island:<island>`, and a new one starts only once every earlier one not over has been cancelled
+(one left by a lifecycle that died would otherwise train a second copy of each learner).
 """
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 
 from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterState,
+                                            FlowRunFilterStateType, FlowRunFilterTags)
+from prefect.client.schemas.objects import TERMINAL_STATES
+from prefect.states import Cancelling
 from prefect.deployments import run_deployment
 
+from infra.launch import LearnersStopped, stopped_because
 from infra.spec import RunSpec
 from infra.stores import RunStores, open_run
 from tasks.stage import stage
@@ -30,16 +41,50 @@ def segment_deployment(island: str) -> str:
     return f"{SEGMENT_FLOW}/{island_pool(island)}"
 
 
+def segment_tags(run_id: str, island: str | None = None) -> list[str]:
+    return [f"run:{run_id}"] + ([f"island:{island}"] if island else [])
+
+
+class SegmentsNotStopped(RuntimeError):
+    pass
+
+
+def stop_segments(run_id: str, reason: str, island: str | None = None, timeout_s: float = 60) -> list[str]:
+    """Have the workers cancel every segment flow run of `run_id` (of `island`, or of every island)
+    not yet over, and wait until each is; returns their names. `SegmentsNotStopped` names those
+    still not over after `timeout_s` (a worker that is gone cannot cancel its run)."""
+    not_over = FlowRunFilter(tags=FlowRunFilterTags(all_=segment_tags(run_id, island)),
+                             state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=list(TERMINAL_STATES))))
+    only_segments = FlowFilter(name=FlowFilterName(any_=[SEGMENT_FLOW]))
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_filter=only_segments, flow_run_filter=not_over)
+        for run in runs:
+            client.set_flow_run_state(run.id, Cancelling(message=reason), force=True)
+        deadline = time.monotonic() + timeout_s
+        while left := client.read_flow_runs(flow_filter=only_segments, flow_run_filter=not_over):
+            if time.monotonic() > deadline:
+                raise SegmentsNotStopped(f"run {run_id}: segment flow runs still "
+                                         f"{', '.join(f'{r.name} {r.state.name}' for r in left)} {timeout_s:.0f} s "
+                                         f"after they were cancelled")
+            time.sleep(1)
+    return [run.name for run in runs]
+
+
 def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, start_at: datetime | None = None,
                 until: datetime | None = None):
     """Segment `n` of an island, a run of its deployment on its work pool, from `start_at` (None: now;
     its worker may start the process earlier, Prefect holds the flow until then) until its learners
-    finish or `until`; waits for it and returns the completed flow run."""
+    finish or `until`; waits for it and returns the completed flow run. Earlier segment flow runs of
+    the island and run id that are not over are cancelled first. Refused once this process stopped
+    the run's learners (`infra.launch.stop_learners`)."""
+    if (reason := stopped_because(run_id)) is not None:
+        raise LearnersStopped(f"run {run_id}: not starting segment {n} of island {island}: {reason}")
+    stop_segments(run_id, f"segment {n} of island {island} replaces it", island)
     flow_run = run_deployment(
         segment_deployment(island),
         parameters={"spec": spec.model_dump(mode="json"), "run_id": run_id, "island": island,
                     "until": until.isoformat() if until else None},
-        scheduled_time=start_at,
+        scheduled_time=start_at, tags=segment_tags(run_id, island),
         flow_run_name=f"{run_id}-{island}-window-{n}", poll_interval=2)
     if not flow_run.state.is_completed():
         raise RuntimeError(f"island {island}: segment {flow_run.name} on work pool {flow_run.work_pool_name} "

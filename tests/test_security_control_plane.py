@@ -5,8 +5,10 @@ cannot choose what a worker executes."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -14,9 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from infra import layout
 from infra.spec import parse_spec
+from infra.store import ObjectStore
+from tests.corpora import corpus_folder
 from tests.test_lifecycle import TINY
+from tests.test_security_processes import learner_pids
 from tests.test_ui import free_port
+from training.data import prepare_dataset
 
 RUN_TIMEOUT_S = 300
 
@@ -126,3 +133,86 @@ def test_a_custom_run_cannot_choose_the_command_environment_or_folder_a_worker_r
     assert run.state.is_completed(), run.state.message  # the plan flow ran, by the worker's own command
     assert run.work_pool_name == CONTROL_POOL
     assert not marker.exists()
+
+
+def test_an_island_runs_one_segment_of_a_run_at_a_time(control_plane, tmp_path):
+    """Fault: a lifecycle dies (killed, or it lost its lease) while its island segments train, and
+    the run is resumed; before, the resumed lifecycle started each island's segment beside the one
+    still running, a second copy of every learner. East's learner here waits minutes for a partner
+    in west that never starts, so its segment runs until cancelled."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    from tasks.segments import run_segment, segment_tags, stop_segments
+
+    corpus = corpus_folder(tmp_path)
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} " * 400)
+    spec = parse_spec({
+        "name": "twice",
+        "islands": [{"name": name, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}
+                    for name in ("east", "west")],
+        "model": {"layers": 1, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
+                              "eval_fraction": 0.2}]},
+        "sync": {"warmup_steps": 1, "rounds": 100_000, "partner_timeout_s": 300},
+        "store": {"url": str(tmp_path / "store")},
+    })
+    store = ObjectStore(spec.store.url).child("runs/twice")
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, store)
+    ended: dict[int, BaseException | None] = {}
+
+    def segment(n: int) -> threading.Thread:
+        def run() -> None:
+            try:
+                run_segment(spec, "twice", "east", n)
+                ended[n] = None
+            except BaseException as err:  # noqa: BLE001 - examined below
+                ended[n] = err
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(run,))  # this thread's API settings
+        thread.start()
+        return thread
+
+    def learner_started(other_than: set[int], thread: threading.Thread) -> set[int]:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (pids := set(learner_pids(spec.store.url)) - other_than):
+            assert thread.is_alive() and time.monotonic() < deadline, f"no learner started: {ended}"
+            time.sleep(0.2)
+        return pids
+
+    most = []
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            most.append(len(learner_pids(spec.store.url)))
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample)
+    first = segment(0)
+    first_learner = learner_started(set(), first)
+    sampler.start()
+    second = segment(1)  # what a resumed lifecycle asks for
+    second_learner = learner_started(first_learner, second)
+    stop_segments("twice", "the test is over", timeout_s=120)
+    first.join(60)
+    second.join(60)
+    sampling.set()
+    sampler.join()
+
+    async def segments():
+        async with get_client() as client:
+            runs = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                tags=FlowRunFilterTags(all_=segment_tags("twice", "east"))))
+            return {run.name: run for run in runs}
+
+    runs = asyncio.run(segments())
+    window_0, window_1 = runs["twice-east-window-0"], runs["twice-east-window-1"]
+    assert len(runs) == 2 and first_learner != second_learner
+    assert max(most) == 1 and learner_pids(spec.store.url) == []
+    for run in (window_0, window_1):  # Prefect calls a SIGTERM it cannot match to the cancel request a crash
+        assert run.state.name == "Cancelled" or "termination signal" in run.state.message, run.state
+    assert window_1.start_time > window_0.end_time  # the second began once the first was over
+    assert all(isinstance(ended[n], RuntimeError) and ("ended Cancelled" in str(ended[n]) or "termination signal"
+                                                       in str(ended[n])) for n in (0, 1)), ended

@@ -9,7 +9,9 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
+from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,8 @@ import torch
 
 from eval.evaluate import load_model
 from infra import layout
-from infra.launch import LearnerProcess, run_learner
+from infra.launch import LearnerProcess, LearnersStopped, run_learner, stop_learners
+from infra.lease import LeaseLost, held_lease
 from infra.spec import parse_spec, spec_sha256
 from infra.store import IntegrityError, ObjectStore
 from tasks.training import learner_relay
@@ -32,7 +35,8 @@ from tests.corpora import corpus_folder
 REPO = Path(__file__).resolve().parents[1]
 
 
-def endless_learner_run(tmp_path: Path, processes: int, learners: int = 1) -> tuple[str, ObjectStore]:
+def endless_learner_run(tmp_path: Path, processes: int, learners: int = 1,
+                        run_id: str = "r") -> tuple[str, ObjectStore]:
     """A prepared run with more rounds than a test waits for; learner 0 has `processes` processes
     and, with a second learner that never starts, waits minutes for its partner in round 0.
     Returns the store's URL, which every process of learner 0 carries as `--store URL`, and the run's store."""
@@ -49,7 +53,7 @@ def endless_learner_run(tmp_path: Path, processes: int, learners: int = 1) -> tu
         "sync": {"warmup_steps": 1, "rounds": 100_000, "partner_timeout_s": 300},
         "store": {"url": str(tmp_path / "store")},
     })
-    store = ObjectStore(spec.store.url).child("runs/r")
+    store = ObjectStore(spec.store.url).child(f"runs/{run_id}")
     store.put_json(layout.SPEC, spec.model_dump(mode="json"))
     prepare_dataset(spec, store)
     return spec.store.url, store
@@ -145,6 +149,55 @@ def test_a_relay_error_ends_the_learners_process_group(tmp_path):
                     broken_relay)
     assert len(started) == 3
     assert left_after(store_url, 5.0) == []
+
+
+def test_a_lease_that_cannot_be_renewed_stops_the_runs_learners_before_it_expires(tmp_path, monkeypatch):
+    """Bad input: renewing the lease fails with an error that is no StoreError (a full disk, a
+    refused write); before, the renewal thread died silently, the learners trained on past the
+    lease's expiry beside whatever lifecycle took the run next, and a retry started them again."""
+    store_url, store = endless_learner_run(tmp_path, processes=1, learners=2, run_id="fenced")
+    failures: list[BaseException] = []
+
+    def learner() -> None:
+        try:
+            run_learner(LearnerProcess(0, 1, 1, spec_sha256=spec_sha256(store.get_json(layout.SPEC))), store_url, None,
+                        "fenced", print)
+        except BaseException as err:  # noqa: BLE001 - examined below
+            failures.append(err)
+
+    running = threading.Thread(target=learner)
+    running.start()
+    deadline = time.monotonic() + 120
+    while not (store.list(layout.learner_prefix(0)) and learner_pids(store_url)):
+        assert running.is_alive() and time.monotonic() < deadline, "the learner never started training"
+        time.sleep(0.2)
+    stopped_at = []
+    warnings = []
+
+    def stop(reason: str) -> None:
+        stop_learners("fenced", reason)
+        stopped_at.append(datetime.now(timezone.utc))
+
+    claim_only = store.put_json
+
+    def refuse_renewals(key, value):  # as an expired token or a full disk would, once the lease is taken
+        if "/renewal-" in key:
+            raise PermissionError(13, "Permission denied", key)
+        return claim_only(key, value)
+
+    monkeypatch.setattr(store, "put_json", refuse_renewals)
+    with pytest.raises(LeaseLost, match="could not be renewed .*PermissionError"):
+        with held_lease(store, "fenced", {"who": "test"}, warn=lambda *a: warnings.append(a[0] % a[1:]),
+                        ttl_s=4.0, renew_every_s=0.5, stop_margin_s=1.5, on_lost=stop) as lease:
+            running.join(30)
+    assert not running.is_alive() and learner_pids(store_url) == []
+    assert stopped_at and stopped_at[0] < lease.expires_at, (stopped_at, lease.expires_at)
+    assert len(warnings) >= 2 and "stopping the run's work" in warnings[-1]
+    (failure,) = failures
+    assert isinstance(failure, LearnersStopped) and "could not be renewed" in str(failure)
+    with pytest.raises(LearnersStopped):  # a retry of the learner does not start a second copy
+        run_learner(LearnerProcess(0, 1, 1, spec_sha256=spec_sha256(store.get_json(layout.SPEC))), store_url, None,
+                    "fenced", print)
 
 
 def test_a_torchrun_learner_listens_on_loopback_only(tmp_path):

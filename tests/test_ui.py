@@ -230,9 +230,11 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
     assert by_key["bpb-vs-tokens-png"].data.startswith("[bpb-vs-tokens.png in the run's store](file://")
     assert {a.data for k, a in by_key.items() if k.startswith("progress-")} == {100.0}
 
-    # Without the auth string the UI shows its login and nothing of the runs...
-    login = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "0-login.png", ['placeholder="admin:pass"'], None)
-    assert 'placeholder="admin:pass"' in login and done.name not in login
+    # Without the auth string the UI shows nothing of the runs (its login form, or a 404 page: both say
+    # "Authentication failed.")...
+    refused = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "0-unauthenticated.png", ["Authentication failed."],
+                     None)
+    assert "Authentication failed." in refused and done.name not in refused
     # ...with it, what a person sees: the run spec as the deployment's run form (titles, descriptions, dropdowns)...
     form = render(f"{ui}/deployments/deployment/{deployment.id}/run", OUTPUT / "0-run-form.png",
                   ["Inner Steps", "Bytes per training sequence."], auth_string)
