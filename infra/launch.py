@@ -91,6 +91,11 @@ def threads_per_process(spec: RunSpec) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
+# Learners never talk to the control plane's API (their output is relayed by the task that runs them),
+# so they do not inherit what opens it.
+PREFECT_CREDENTIALS = ("PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_KEY")
+
+
 class LearnerFailed(RuntimeError):
     pass
 
@@ -164,7 +169,7 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
     from the end by the learner's summary, which only a learner that trained every round writes.
     Whatever ends this call, the learner's process group is ended with it. `withheld_env`: variables
     of this environment the learner must not inherit (other writers' keys)."""
-    withheld = set(withheld_env)
+    withheld = set(withheld_env) | set(PREFECT_CREDENTIALS)
     env = {**{name: value for name, value in os.environ.items() if name not in withheld},
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
            PARENT_PID: str(os.getpid()), **LOOPBACK_ONLY}

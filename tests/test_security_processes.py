@@ -307,3 +307,26 @@ def test_the_relay_reports_a_burst_of_rounds_at_its_first_and_last_round_only(pr
         shown = relay_rounds()
     rounds = [r.getMessage().split()[1] for r in caplog.records if r.name == "relay"]
     assert rounds == ["1/20", "20/20"] and shown == 100.0
+
+
+def test_a_learner_inherits_neither_the_control_planes_api_string_nor_withheld_keys(tmp_path, monkeypatch):
+    """A learner runs where store writers' data is mixed in: it gets its own island's keys and nothing
+    that opens the Prefect API (whoever holds that string can run code on every worker)."""
+    store_url, store = endless_learner_run(tmp_path, processes=1, learners=2, run_id="env")
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "archipelago:secret")
+    monkeypatch.setenv("OTHER_ISLAND_SIGNING_KEY", "not-for-this-learner")
+    monkeypatch.setenv("OWN_ISLAND_SIGNING_KEY", "for-this-learner")
+    seen: list[dict] = []
+
+    def inspect_then_stop(line: str) -> None:
+        if '"event": "round"' in line:
+            for pid in learner_pids(store_url):
+                raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                seen.append(dict(item.decode().split("=", 1) for item in raw if b"=" in item))
+            raise StopLearner
+
+    with pytest.raises(StopLearner):
+        run_learner(LearnerProcess(0, 1, 1, spec_sha256=spec_sha256(store.get_json(layout.SPEC))), store_url, None,
+                    "env", inspect_then_stop, withheld_env=["OTHER_ISLAND_SIGNING_KEY"])
+    assert seen and all("PREFECT_API_AUTH_STRING" not in env and "OTHER_ISLAND_SIGNING_KEY" not in env
+                        and env.get("OWN_ISLAND_SIGNING_KEY") == "for-this-learner" for env in seen)
