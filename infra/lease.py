@@ -35,9 +35,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 
-from infra.store import ObjectExists, ObjectStore, StoreError
+from infra.store import IntegrityError, ObjectExists, ObjectStore, StoreError
 
 LEASE_TTL_S = 120.0
+MAX_LEASE_S = 3600.0  # no lease is taken or renewed for longer: a record that says otherwise is not one
+LEASE_RECORD_MAX_BYTES = 64 << 10
 RENEW_EVERY_S = 30.0
 # What a holder leaves itself to stop the run's work (end its learners' process groups, have the
 # islands' workers cancel its segment flow runs: a worker's poll, then up to its 30 s grace for a
@@ -99,20 +101,45 @@ class _Term:
                 "resume after that time")
 
 
-def _read_term(store: ObjectStore, term: int) -> _Term:
+def _expiry(record: dict, now: datetime) -> datetime:
+    """A record's `expires_at`: a timestamp with a UTC offset, at most `MAX_LEASE_S` ahead. A record
+    that says anything else is no lease (ValueError): a planted expiry in 9999 would block the run."""
+    value = record.get("expires_at") if isinstance(record, dict) else None
+    moment = datetime.fromisoformat(value) if isinstance(value, str) and len(value) <= 64 else None
+    if moment is None or moment.tzinfo is None or moment > now + timedelta(seconds=MAX_LEASE_S):
+        raise ValueError("expires_at is not a timestamp with an offset within the longest lease")
+    return moment
+
+
+def _read_term(store: ObjectStore, term: int, now: datetime | None = None) -> _Term | None:
+    """A term of the lease as its records say, or None when its claim does not verify or does not read
+    as a claim (counted as refused): a record the store holds is no lease unless its holder wrote it."""
+    now = now or _now()
     keys = store.list(f"lease/{term:06d}")
-    claim = store.get_json(claim_key(term))
-    expires_at = datetime.fromisoformat(claim["expires_at"])
-    renewals = [int(m.group(1)) for m in map(_RENEWAL.match, keys) if m]
-    if renewals:
-        expires_at = max(expires_at, datetime.fromisoformat(
-            store.get_json(renewal_key(term, max(renewals)))["expires_at"]))
+    try:
+        claim = store.get_json(claim_key(term), max_bytes=LEASE_RECORD_MAX_BYTES)
+        expires_at = _expiry(claim, now)
+        if not isinstance(claim.get("holder"), dict) or not isinstance(claim.get("claimed_at"), str):
+            raise ValueError("a claim names its holder and when it claimed")
+        renewals = [int(m.group(1)) for m in map(_RENEWAL.match, keys) if m]
+        if renewals:
+            expires_at = max(expires_at, _expiry(store.get_json(renewal_key(term, max(renewals)),
+                                                                max_bytes=LEASE_RECORD_MAX_BYTES), now))
+    except IntegrityError:
+        return None
+    except ValueError:
+        store.refused(claim_key(term))
+        return None
     return _Term(term, claim, expires_at, released_key(term) in keys)
 
 
+def _terms(store: ObjectStore) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_CLAIM.match, store.list("lease")) if m)
+
+
 def _newest_term(store: ObjectStore) -> _Term | None:
-    terms = [int(m.group(1)) for m in map(_CLAIM.match, store.list("lease")) if m]
-    return _read_term(store, max(terms)) if terms else None
+    """The newest term whose records read as a lease; terms planted past it are skipped."""
+    return next((read for term in reversed(_terms(store)) if (read := _read_term(store, term)) is not None), None)
 
 
 class RunLease:
@@ -133,19 +160,24 @@ class RunLease:
         newest = _newest_term(store)
         if newest is not None and newest.live(now):
             raise LeaseHeld(newest.describe(run_id))
-        term = 0 if newest is None else newest.term + 1
+        # Past every listed term, read or not: a planted claim squats its term number, not the run.
+        term = max(_terms(store), default=-1) + 1
         expires_at = now + timedelta(seconds=ttl_s)
         try:
             store.put_json(claim_key(term), {"holder": holder, "claimed_at": _stamp(now),
                                              "expires_at": _stamp(expires_at), "nonce": uuid.uuid4().hex})
         except ObjectExists:
-            raise LeaseHeld(_read_term(store, term).describe(run_id)) from None
+            taken = _read_term(store, term)
+            raise LeaseHeld(taken.describe(run_id) if taken else f"run {run_id}: lease term {term} was taken while "
+                            "this lifecycle claimed it; try again") from None
         return cls(store, run_id, term, ttl_s, expires_at)
 
     def renew(self) -> None:
         """Push the expiry out by the lease's lifetime, as a new object; `LeaseLost` if the run was taken."""
-        if self.store.exists(claim_key(self.term + 1)):
-            taker = _read_term(self.store, self.term + 1).claim
+        taken = next((read for term in _terms(self.store) if term > self.term
+                      and (read := _read_term(self.store, term)) is not None), None)
+        if taken is not None:
+            taker = taken.claim
             raise LeaseLost(f"run {self.run_id}: this lifecycle's lease (term {self.term}) expired at "
                             f"{_stamp(self.expires_at)} and was taken by {taker['holder']} at {taker['claimed_at']}")
         expires_at = _now() + timedelta(seconds=self.ttl_s)

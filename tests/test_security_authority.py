@@ -240,3 +240,22 @@ def test_a_signed_run_trains_and_its_exchanges_verify_beside_a_squatted_summary(
     assert finished(RunStores(spec, store_of(CONTROL)), spec, 1)
     assert [s.learner for s in read_summaries(spec, store_of(CONTROL))] == [0, 1]
     assert store_of(CONTROL).exists(layout.learner_summary(1, 1))  # written past the squatted slot
+
+
+def test_planted_lease_records_neither_block_nor_end_the_run(tmp_path, signed_run):
+    from infra.lease import RunLease, claim_key
+
+    store = ObjectStore(str(tmp_path / "leases")).child("runs/r")  # an unauthenticated run's lease
+    store.put_json(claim_key(0), {"holder": {"who": "attacker"}, "claimed_at": "now",
+                                  "expires_at": "9999-01-01T00:00:00+00:00"})
+    store.put_json(claim_key(1), {"holder": {"who": "attacker"}, "claimed_at": "now",
+                                  "expires_at": "2026-01-01T00:00:00"})  # naive: it raised TypeError
+    lease = RunLease.acquire(store, "r", {"who": "us"})
+    assert lease.term == 2 and store.stats["refused"] == {"lease": 2}
+    store.put_bytes(claim_key(3), b"squatted")  # a claim of the next term that is no claim
+    lease.renew()  # still ours
+    # In a signed run, island a's key forges no lease of the control plane's.
+    spec, store_of = signed_run
+    store_of("a").put_json(claim_key(0), {"holder": {"who": "a"}, "claimed_at": "now",
+                                          "expires_at": "2099-01-01T00:00:00+00:00"})
+    assert RunLease.acquire(store_of(CONTROL), "r", {"who": "control"}).term == 1
