@@ -20,7 +20,7 @@ from infra.launch import stop_learners_on_sigterm, yield_cpu_to_learners
 from infra.spec import RunSpec, check_windows_ahead
 from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
-from tasks.results import RESULT_SERIALIZER, result_storage
+from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.setup import flow_run_run_id
 from tasks.training import train_learner
 
@@ -35,7 +35,8 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
     yield_cpu_to_learners()
     stop_learners_on_sigterm(run_id)  # a cancelled segment's learners stop with it
     load_credential_blocks(spec, island)  # its own writer key, the other islands' read-only keys
-    train = train_learner.with_options(result_storage=result_storage(spec.store))
+    # Its learners' records are signed by this island, and only this island's are read back.
+    train = train_learner.with_options(result_storage=result_storage(spec.store, RecordSigning.of(spec, island)))
     learners = [train.submit(spec, run_id, island, slot.index, until)
                 for slot in spec.learners if slot.island.name == island]
     results = [learner.result() for learner in learners]

@@ -20,6 +20,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.runtime import flow_run
 
+from infra.authority import CONTROL
 from infra.launch import stop_learners
 from infra.lease import STOP_MARGIN_S, held_lease, this_process
 from infra.spec import RunSpec
@@ -27,7 +28,7 @@ from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
-from tasks.results import RESULT_SERIALIZER, result_storage
+from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.segments import island_segments, stop_segments
 from tasks.setup import new_run_id, start_run
 from tasks.training import consolidate_learners, train_learner, train_standard
@@ -72,7 +73,7 @@ def run_lifecycle(spec: RunSpec, run_id: str, islands_via: Literal["tasks", "dep
     """Run (or resume) the lifecycle with its stage results kept in the run's own store.
 
     Returns the report, or with `return_state` the flow run's final state (failed without raising)."""
-    return lifecycle.with_options(result_storage=result_storage(spec.store))(
+    return lifecycle.with_options(result_storage=result_storage(spec.store, RecordSigning.of(spec, CONTROL)))(
         spec=spec, run_id=run_id, islands_via=islands_via, return_state=return_state)
 
 

@@ -114,6 +114,13 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def signing_section(spec, writer: str):
+    """The spec's signing keys of `writer` (CONTROL or an island's name); None in a run without keys."""
+    if spec.signing is None:
+        return None
+    return spec.signing if writer == CONTROL else next(i for i in spec.islands if i.name == writer).signing
+
+
 def foreign_signing_keys(spec, writer: str) -> list[str]:
     """The environment variables holding every other writer's private key: what a process of `writer`
     (an island's learner) must not inherit where one environment holds several (a single-host run)."""
@@ -143,8 +150,7 @@ class Authority:
         keys.update({island.name: public_key_of(island.signing.public_key) for island in spec.islands})
         signer = None
         if writer is not None:
-            section = spec.signing if writer == CONTROL else next(i for i in spec.islands if i.name == writer).signing
-            signer = Signer.from_environment(writer, section.private_key_env)
+            signer = Signer.from_environment(writer, signing_section(spec, writer).private_key_env)
         return cls(keys, tuple(slot.island.name for slot in spec.learners), signer)
 
     def writer_of(self, name: str) -> tuple[str, ...]:
@@ -166,15 +172,23 @@ class Authority:
 
     def verify(self, name: str, digest: str, signature) -> None:
         """Raise Unauthenticated unless `signature` is a valid signature of (name, digest) by a writer
-        allowed to write `name`. The refusal names the object, never what the document claims."""
-        if not isinstance(signature, dict) or not isinstance(signature.get("by"), str) \
-                or not isinstance(signature.get("ed25519"), str):
-            raise Unauthenticated(f"object {name}: not signed")
-        writer = signature["by"]
-        if writer not in self.writer_of(name):
-            raise Unauthenticated(f"object {name}: signed by a writer that may not write it")
-        try:
-            raw = base64.b64decode(signature["ed25519"], validate=True)
-            self.public_keys[writer].verify(raw, _message(name, digest))
-        except (binascii.Error, ValueError, InvalidSignature):
-            raise Unauthenticated(f"object {name}: its signature does not verify") from None
+        allowed to write `name` (see `verify_signature`)."""
+        verify_signature({writer: self.public_keys[writer] for writer in self.writer_of(name)}, name, digest,
+                         signature)
+
+
+def verify_signature(public_keys: dict[str, Ed25519PublicKey], name: str, digest: str, signature) -> None:
+    """Raise Unauthenticated unless `signature` is a valid signature of (name, digest) by one of the writers
+    of `public_keys`, the only ones allowed to write `name`. The refusal names the object, never what the
+    document claims."""
+    if not isinstance(signature, dict) or not isinstance(signature.get("by"), str) \
+            or not isinstance(signature.get("ed25519"), str):
+        raise Unauthenticated(f"object {name}: not signed")
+    writer = signature["by"]
+    if writer not in public_keys:
+        raise Unauthenticated(f"object {name}: signed by a writer that may not write it")
+    try:
+        raw = base64.b64decode(signature["ed25519"], validate=True)
+        public_keys[writer].verify(raw, _message(name, digest))
+    except (binascii.Error, ValueError, InvalidSignature):
+        raise Unauthenticated(f"object {name}: its signature does not verify") from None

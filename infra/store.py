@@ -171,6 +171,12 @@ def refused_in_process() -> dict[str, int]:
     return dict(sorted(_REFUSED_IN_PROCESS.items()))
 
 
+def count_refused_in_process(kind: str) -> None:
+    """Count a refused object of `kind` for this process's report: by a store, or by a reader of objects that
+    no ObjectStore reads (Prefect's stage results)."""
+    _REFUSED_IN_PROCESS[kind] += 1
+
+
 class ObjectTooLarge(IntegrityError):
     """An object holds more bytes than its reader takes; it was not read whole, and is not read again."""
 
@@ -441,7 +447,7 @@ class ObjectStore:
         kinds = self._shared.stats["refused"]
         kind = kind_of(self._name(key))
         kinds[kind] = kinds.get(kind, 0) + 1
-        _REFUSED_IN_PROCESS[kind] += 1
+        count_refused_in_process(kind)
 
     def put_tensors(self, key: str, tensors: dict[str, torch.Tensor],
                     metadata: dict[str, str] | None = None) -> ObjectRef:

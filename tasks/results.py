@@ -8,6 +8,11 @@ Anyone who can write the store can also write a result record under a key they c
 Prefect decodes a record with whatever serializer the record itself names (cloudpickle by
 default). So stages write plain JSON, and the storage blocks below hand Prefect a record only if
 it names exactly that serializer: nothing read from storage is unpickled or imported.
+
+A plain JSON record can still be forged (a stage coming back Cached with numbers nobody computed).
+So in a run with keys each process signs the records it writes with its own writer's key and
+reads back only records signed by that writer (`RecordSigning`): the lifecycle the control
+plane's, an island's segment its island's.
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 from prefect.serializers import JSONSerializer
+from pydantic import BaseModel, Field
 
-from infra.store import parse_store_url
+from infra.authority import Signer, Unauthenticated, public_key_of, signing_section, verify_signature
+from infra.store import count_refused_in_process, parse_store_url, sha256
 
 
 def stage_cache(ignored_inputs: tuple[str, ...] = ()):
@@ -45,7 +52,11 @@ logger = logging.getLogger(__name__)
 
 
 class UntrustedResultRecord(ValueError):
-    """A result record in storage that is not plain JSON; it is refused, never decoded."""
+    """A result record in storage that is not plain JSON, or in a run with keys not signed by the reading
+    process's own writer; it is refused, never decoded."""
+
+
+REFUSED_KIND = "stage-result"  # in the report's count of refused objects by kind
 
 
 def plain_json_record(path: str, content: bytes) -> bytes:
@@ -66,46 +77,120 @@ def plain_json_record(path: str, content: bytes) -> bytes:
         if serializer == _TRUSTED_SERIALIZER:
             return content
         why = f"names serializer {serializer!r}, not plain JSON"
-    message = (f"result record {path} {why}: refused, results are read only as plain JSON and never "
-               "unpickled (a stage whose record is refused runs again)")
+    _refuse(path, why, "results are read only as plain JSON and never unpickled")
+
+
+def _refuse(path: str, why: str, rule: str):
+    """Refuse a result record: logged with its path and counted for this process's report. Prefect takes
+    the error for a missing record, so the stage runs again."""
+    message = f"result record {path} {why}: refused, {rule} (a stage whose record is refused runs again)"
     logger.warning("%s", message)
+    count_refused_in_process(REFUSED_KIND)
     raise UntrustedResultRecord(message)
 
 
-class _PlainJsonRecordsOnly:
-    """Every read of a result record, the cache lookup's included, goes through `read_path`."""
+class RecordSigning(BaseModel):
+    """The one writer whose result records a storage block writes and reads back: the process's own.
+
+    A record is stored as {"record": its text, "signature": by the writer, over the record's path
+    relative to the storage's basepath and the sha256 of its bytes}. The block document holds the
+    writer's public key and the name of the variable with its private key, never the key: a block
+    that Prefect reloads from the API (to read a flow's result back) verifies without it."""
+
+    writer: str = Field(description="CONTROL for the lifecycle, an island's name for its segments.")
+    public_key: str = Field(description="The writer's Ed25519 public key, base64, as in the run's spec.")
+    private_key_env: str = Field(description="Environment variable holding the writer's private key.")
+
+    @classmethod
+    def of(cls, spec, writer: str) -> "RecordSigning | None":
+        """`writer`'s (CONTROL or an island's name) in `spec`; None in a run without keys."""
+        section = signing_section(spec, writer)
+        return None if section is None else cls(writer=writer, public_key=section.public_key,
+                                                 private_key_env=section.private_key_env)
+
+    def sign(self, name: str, record: bytes) -> bytes:
+        """`record` as stored under `name`, signed with the private key from this process's environment."""
+        signature = Signer.from_environment(self.writer, self.private_key_env).sign(name, sha256(record))
+        return json.dumps({"record": record.decode(), "signature": signature}).encode()
+
+    def verified(self, name: str, stored: bytes) -> bytes:
+        """The record in `stored` if this writer signed it under `name`; else Unauthenticated."""
+        try:
+            document = json.loads(stored)
+            record, signature = document["record"].encode(), document.get("signature")
+        except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
+            raise Unauthenticated(f"object {name}: not a signed record") from None
+        verify_signature({self.writer: public_key_of(self.public_key)}, name, sha256(record), signature)
+        return record
+
+
+class _TrustedRecordsOnly(BaseModel):
+    """Every read of a result record, the cache lookup's included, goes through `read_path`, and every
+    write through `write_path`. Prefect's task runs use the very block their flow was given; a flow's
+    result read back through the API uses a copy loaded from the block's document (fields only)."""
+
+    record_signing: RecordSigning | None = Field(
+        default=None, description="Who signs these records, the only writer read back; none in a run without keys.")
+
+    def _record_name(self, path: str) -> str:
+        """What a record's signature names: its path relative to the basepath, wherever the storage is mounted."""
+        basepath = str(self._resolve_path("")).rstrip("/")
+        return str(self._resolve_path(path))[len(basepath) + 1:]
+
+    def _stored(self, path: str, content: bytes) -> bytes:
+        return content if self.record_signing is None else self.record_signing.sign(self._record_name(path), content)
+
+    def _trusted(self, path: str, stored: bytes) -> bytes:
+        if self.record_signing is not None:
+            try:
+                stored = self.record_signing.verified(self._record_name(path), stored)
+            except Unauthenticated as err:
+                _refuse(path, f"fails its signature check ({err})",
+                        f"only records signed by {self.record_signing.writer} are read back")
+        return plain_json_record(path, stored)
 
     async def aread_path(self, path: str) -> bytes:
-        return plain_json_record(path, await super().aread_path(path))
+        return self._trusted(path, await super().aread_path(path))
 
     @async_dispatch(aread_path)
     def read_path(self, path: str) -> bytes:
-        return plain_json_record(path, super().read_path(path, _sync=True))
+        return self._trusted(path, super().read_path(path, _sync=True))
+
+    async def awrite_path(self, path: str, content: bytes) -> str:
+        return await super().awrite_path(path, self._stored(path, content))
+
+    @async_dispatch(awrite_path)
+    def write_path(self, path: str, content: bytes) -> str:
+        return super().write_path(path, self._stored(path, content), _sync=True)
 
 
-class LocalJsonResults(_PlainJsonRecordsOnly, LocalFileSystem):
+class LocalJsonResults(_TrustedRecordsOnly, LocalFileSystem):
     _block_type_name = "Archipelago Local JSON Results"
 
 
-class RemoteJsonResults(_PlainJsonRecordsOnly, RemoteFileSystem):
+class RemoteJsonResults(_TrustedRecordsOnly, RemoteFileSystem):
     _block_type_name = "Archipelago Remote JSON Results"
 
 
 REGISTRATION_ATTEMPTS = 3
 
 
-def result_storage(store_spec):
+def result_storage(store_spec, signing: RecordSigning | None = None):
     """A result storage block under `<store>/prefect-results`, saved so flows can reference it.
+    `signing`: in a run with keys, the writer of the process that uses it (`RecordSigning.of`).
 
-    The block holds a path and an endpoint, never credentials: S3 keys stay in the environment.
+    The block holds a path, an endpoint and the writer's public key and variable's name, never
+    credentials nor keys: those stay in the environment. Each writer (and key) has a block document of
+    its own, so one writer's save never changes what another's reads back.
     """
     root = parse_store_url(store_spec.url)
     if root.startswith("s3://"):
         settings = {"endpoint_url": store_spec.endpoint_url} if store_spec.endpoint_url else {}
-        block = RemoteJsonResults(basepath=f"{root}/prefect-results", settings=settings)
+        block = RemoteJsonResults(basepath=f"{root}/prefect-results", settings=settings, record_signing=signing)
     else:
-        block = LocalJsonResults(basepath=f"{root}/prefect-results")
-    save_block(block, f"archipelago-results-{hashlib.sha256(block.basepath.encode()).hexdigest()[:16]}")
+        block = LocalJsonResults(basepath=f"{root}/prefect-results", record_signing=signing)
+    named_by = block.basepath if signing is None else f"{block.basepath}\0{signing.writer}\0{signing.public_key}"
+    save_block(block, f"archipelago-results-{hashlib.sha256(named_by.encode()).hexdigest()[:16]}")
     return block
 
 

@@ -13,25 +13,28 @@ import uuid
 import pytest
 
 from infra import layout
+from infra.authority import CONTROL, generate_keypair
 from infra.lease import LeaseHeld, LeaseLost, RunLease, held_lease, this_process
 from infra.spec import parse_spec
 from infra.store import ObjectStore, run_store
 from tests.corpora import corpus_folder
 
 
-def tiny_spec(root: pathlib.Path, name: str = "sec"):
+def tiny_spec(root: pathlib.Path, name: str = "sec", signing: dict | None = None):
+    """`signing`: each writer's (CONTROL, "a", "b") spec section, for a run with keys."""
     corpus = corpus_folder(root)
     for i in range(6):
         (corpus / f"doc{i}.txt").write_text(f"document {i} " * 300)
     return parse_spec({
         "name": name,
-        "islands": [{"name": island, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}
-                    for island in ("a", "b")],
+        "islands": [{"name": island, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2,
+                     **({"signing": signing[island]} if signing else {})} for island in ("a", "b")],
         "model": {"layers": 2, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
         "sync": {"mode": "butterfly", "rounds": 2, "warmup_steps": 1, "partner_timeout_s": 60},
         "store": {"url": str(root / "store")},
+        **({"signing": signing[CONTROL]} if signing else {}),
     })
 
 
@@ -47,10 +50,24 @@ def stage_records(spec) -> dict[pathlib.Path, dict]:
 
 
 def resume(spec, run_id):
-    from flows.lifecycle import run_lifecycle, stage_states
+    from flows.lifecycle import run_lifecycle
 
     state = run_lifecycle(spec, run_id, return_state=True)
-    return state.result(), stage_states(state.state_details.flow_run_id)
+    return state.result(), final_stage_states(state.state_details.flow_run_id, stages=10)
+
+
+def final_stage_states(flow_run_id, stages: int) -> dict[str, str]:
+    """`stage_states` once all `stages` task runs are recorded in a final state: the API records them
+    from events, a moment after they ran (on a loaded machine one was seen missing)."""
+    from flows.lifecycle import stage_states
+
+    deadline = time.monotonic() + 30
+    while True:
+        states = stage_states(flow_run_id)
+        if len(states) == stages and set(states.values()) <= {"Completed", "Cached", "Failed"} \
+                or time.monotonic() > deadline:
+            return states
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +187,159 @@ def test_the_result_storage_refuses_anything_but_plain_json_on_every_read_path(w
                           result={"x": 1}).serialize()
     block.write_path("honest", honest)
     assert block.read_path("honest") == honest
+
+
+@pytest.fixture(scope="module")
+def signing_keys():
+    """A key pair for the control plane and each island, the private keys in this process's environment
+    (as on a single host): each writer's spec section."""
+    sections = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for writer in (CONTROL, "a", "b"):
+            private, public = generate_keypair()
+            variable = f"TEST_RESULTS_KEY_{writer.upper()}"
+            patch.setenv(variable, private)
+            sections[writer] = {"public_key": public, "private_key_env": variable}
+        yield sections
+
+
+@pytest.fixture(scope="module")
+def signed_finished_run(tmp_path_factory, prefect_api, signing_keys):
+    """`finished_run` of a spec with keys."""
+    from flows.lifecycle import run_lifecycle
+    from tasks.setup import new_run_id
+
+    spec = tiny_spec(tmp_path_factory.mktemp("signed-results"), name="signed", signing=signing_keys)
+    run_id = new_run_id(spec)
+    state = run_lifecycle(spec, run_id, return_state=True)
+    return spec, run_id, state.result(), state.state_details.flow_run_id
+
+
+def signed_records(spec, writer: str) -> dict[pathlib.Path, dict]:
+    """Every record under <store>/prefect-results, verified as `writer` signed it and parsed."""
+    from tasks.results import RecordSigning
+
+    signing, folder = RecordSigning.of(spec, writer), pathlib.Path(spec.store.url) / "prefect-results"
+    return {path: json.loads(signing.verified(str(path.relative_to(folder)), path.read_bytes()))
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_in_a_signed_run_every_result_record_is_signed_by_the_control_plane(signed_finished_run, monkeypatch):
+    """Each stage's record and the flow's result are stored signed by the control plane, over their
+    path and bytes, around the same plain JSON record as in a run without keys. The flow's result reads
+    back through the API, whose copy of the storage block has the public key and the private key's
+    variable name and nothing else: it verifies with the private key gone from the environment."""
+    from prefect.client.orchestration import get_client
+
+    spec, run_id, report, flow_run_id = signed_finished_run
+    assert all(set(document) == {"record", "signature"} and document["signature"]["by"] == CONTROL
+               for document in result_files(spec).values())
+    records = signed_records(spec, CONTROL)
+    stages = [record for record in records.values() if isinstance(record, dict) and "metadata" in record]
+    assert len(stages) == 10 and all(record["metadata"]["serializer"]["type"] == "json" for record in stages)
+    assert [record for record in records.values() if record not in stages] == [report]
+
+    private_key = os.environ[spec.signing.private_key_env]
+    monkeypatch.delenv(spec.signing.private_key_env)
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(flow_run_id).state.result() == report
+        documents = json.dumps([d.data for d in client.read_block_documents(include_secrets=True)])
+    assert spec.signing.private_key_env in documents and spec.signing.public_key in documents
+    assert private_key not in documents
+
+
+def test_a_forged_or_island_signed_record_is_refused_and_its_stage_recomputed(signed_finished_run):
+    """Whoever can write the store plants plain JSON records under the keys two stages look up: an
+    unsigned `evaluate` record with flattering bpb numbers, and a `start-run` record validly signed by
+    island a's key, which may sign only a's own records. The resume refuses both (counted as refused
+    stage results), runs both stages again and reports the numbers it computed."""
+    from infra.store import refused_in_process
+    from tasks.results import REFUSED_KIND, RecordSigning
+
+    spec, run_id, report, _ = signed_finished_run
+    records = signed_records(spec, CONTROL)
+    results = {path: json.loads(record["result"]) for path, record in records.items() if "metadata" in record}
+    evaluate = next(path for path, result in results.items()
+                    if isinstance(result, dict) and result.get("text", {}).get("islands", {}).get("bpb")
+                    == report["evals"]["text"]["islands_bpb"])
+    forged = results[evaluate]
+    forged["text"]["islands"]["bpb"] = 0.01
+    evaluate.write_text(json.dumps({**records[evaluate], "result": json.dumps(forged)}))
+    start_run = next(path for path, result in results.items() if result == run_id)
+    forged_record = json.dumps({**records[start_run], "result": json.dumps("another-run")}).encode()
+    start_run.write_bytes(RecordSigning.of(spec, "a").sign(start_run.name, forged_record))
+    refused_before = refused_in_process().get(REFUSED_KIND, 0)
+
+    resumed, states = resume(spec, run_id)
+
+    assert (states.pop("evaluate"), states.pop("start-run")) == ("Completed", "Completed")
+    assert set(states.values()) == {"Cached"} and len(states) == 8
+    assert resumed == report and resumed["evals"]["text"]["islands_bpb"] != 0.01
+    assert refused_in_process()[REFUSED_KIND] - refused_before == 2
+    assert json.loads(signed_records(spec, CONTROL)[start_run]["result"]) == run_id  # rewritten, signed
+
+
+def test_an_islands_segment_reads_back_only_records_its_island_signed(signed_finished_run):
+    """Island a's segment (the flow its deployment runs, called here in this process) looks its learner
+    up under the key the lifecycle's learner stage wrote: it refuses the control plane's record and runs
+    the learner again (finished, it only checks so); the record it writes is signed by island a, and
+    the next segment comes back Cached. (Last of the signed run's tests: a resume of the lifecycle would
+    now refuse island a's record in turn.)"""
+    from flows.deployments import segment
+    from infra.store import refused_in_process
+    from tasks.results import REFUSED_KIND, RecordSigning
+
+    spec, run_id, _, _ = signed_finished_run
+    refused_before = refused_in_process().get(REFUSED_KIND, 0)
+    states = []
+    for _ in range(2):
+        state = segment(spec, run_id, "a", return_state=True)
+        assert state.result()["finished"]
+        states.append(final_stage_states(state.state_details.flow_run_id, stages=1))
+    assert states == [{"train-a-learner-0": "Completed"}, {"train-a-learner-0": "Cached"}]
+    assert refused_in_process()[REFUSED_KIND] - refused_before == 1  # the lifecycle's record of learner 0
+    folder = pathlib.Path(spec.store.url) / "prefect-results"
+    [by_a] = [path for path in folder.iterdir() if json.loads(path.read_bytes())["signature"]["by"] == "a"]
+    record = json.loads(RecordSigning.of(spec, "a").verified(by_a.name, by_a.read_bytes()))
+    assert json.loads(record["result"]) == {"learner": 0, "island": "a", "finished": True}
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_each_writer_reads_back_only_the_records_it_signed(where, request, tmp_path, prefect_api, signing_keys):
+    """The storage blocks of the control plane and of each island's segments, in one store: each has its
+    own block document and reads back only records its own writer signed under the path read, on the
+    sync and async read paths; a record moved to another path, or signed by another writer, is refused."""
+    import asyncio
+
+    from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
+    from prefect.filesystems import LocalFileSystem, RemoteFileSystem
+
+    from tasks.results import RESULT_SERIALIZER, RecordSigning, UntrustedResultRecord, result_storage
+
+    if where == "s3":
+        request.getfixturevalue("s3_env")
+    spec = tiny_spec(tmp_path, signing=signing_keys)
+    store = spec.store.model_copy(update={"url": f"s3://archipelago/signed-{uuid.uuid4().hex[:8]}"}) \
+        if where == "s3" else spec.store
+    blocks = {writer: result_storage(store, RecordSigning.of(spec, writer)) for writer in (CONTROL, "a", "b")}
+    assert len({block._block_document_id for block in blocks.values()}) == 3
+    record = ResultRecord(metadata=ResultRecordMetadata(storage_key=None, serializer=RESULT_SERIALIZER),
+                          result={"bpb": 1.5}).serialize()
+    for writer, block in blocks.items():
+        block.write_path(f"by-{writer}", record)
+    for reader, block in blocks.items():
+        for writer in blocks:
+            if writer == reader:
+                assert block.read_path(f"by-{writer}") == asyncio.run(block.aread_path(f"by-{writer}")) == record
+            else:
+                with pytest.raises(UntrustedResultRecord, match=f"only records signed by {reader} are read back"):
+                    block.read_path(f"by-{writer}")
+                with pytest.raises(UntrustedResultRecord, match="signed by a writer that may not write it"):
+                    asyncio.run(block.aread_path(f"by-{writer}"))
+    storage = LocalFileSystem if where == "local" else RemoteFileSystem  # reads and writes bytes as they are
+    storage.write_path(blocks["a"], "moved", storage.read_path(blocks["a"], "by-a", _sync=True), _sync=True)
+    with pytest.raises(UntrustedResultRecord, match="its signature does not verify"):
+        blocks["a"].read_path("moved")
 
 
 def test_a_second_lifecycle_is_refused_while_the_run_is_held_and_accepted_once_the_holder_expired(
