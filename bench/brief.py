@@ -20,7 +20,7 @@ An arm whose run spec equals a finished arm's is not trained again: that arm's r
 brief's seed 0 is the chosen candidate's run). Each arm trains holding the lock on /work/cpu.lock
 (the host's cores are shared), writes `arms/<arm>.json` when it finishes, so a rerun resumes arm by
 arm; progress with an ETA goes to `progress.log`; `tuning.md`, `table.md`, `summary.json` and the
-README's table are rebuilt after every arm from the finished arms.
+page docs/results/brief.md are rebuilt after every arm from the finished arms.
 
     .venv/bin/python -m bench.brief                  # everything still to run
     .venv/bin/python -m bench.brief --candidates     # only the tuning candidates still to run
@@ -44,6 +44,7 @@ import yaml
 
 from bench import quality
 from bench.islands import Log, cpu_lock
+from bench.results_page import write_results_page
 from infra.spec import RunSpec, parse_spec
 
 RESULTS = Path("bench/results/brief")
@@ -380,17 +381,13 @@ def tuning_markdown(summary: dict, results: dict[str, dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-README_BEGIN = "<!-- brief-table: written by `python -m bench.brief --table` from bench/results/brief -->"
-README_END = "<!-- /brief-table -->"
-
-
 def write_tables(log: Log | None = None) -> None:
     results = load_results()
     summary = build_summary(results)
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=1))
     markdown = table_markdown(summary)
     (RESULTS / "table.md").write_text(markdown)
-    quality.splice_into_readme(markdown, begin=README_BEGIN, end=README_END)
+    write_results_page("brief", markdown, sources="bench/results/brief", command="python -m bench.brief --table")
     (RESULTS / "tuning.md").write_text(tuning_markdown(summary, results))
     if log:
         log(f"tables written: {RESULTS / 'table.md'}, {RESULTS / 'tuning.md'}")

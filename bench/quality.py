@@ -15,7 +15,8 @@ byte on the same held-out documents (`data.split_seed` fixes them, whatever the 
 bits kept per document for a paired bootstrap. Sweeps run on seed 0 and rank by the validation
 split only; the held-out sets never choose anything. Each arm writes `arms/<arm>.json` when it
 finishes, so a rerun resumes arm by arm; progress with an ETA goes to `progress.log`, and
-`table.md` / `table.json` / `tuning.md` are rebuilt after every arm from whatever has finished.
+`table.md` / `table.json` / `tuning.md` and the page docs/results/quality.md are rebuilt after every
+arm from whatever has finished.
 
     .venv/bin/python -m bench.quality            # everything, resuming
     .venv/bin/python -m bench.quality --table    # only rebuild the tables
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 
 from bench.islands import Log, train_islands
+from bench.results_page import write_results_page
 from eval.bootstrap import paired_bootstrap
 from eval.evaluate import score_model
 from eval.report import communication
@@ -405,29 +407,13 @@ def tuning_markdown(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-README_BEGIN = "<!-- quality-table: written by `python -m bench.quality --table` from bench/results/quality -->"
-README_END = "<!-- /quality-table -->"
-
-
-def splice_into_readme(markdown: str, readme: Path = README, begin: str = README_BEGIN, end: str = README_END) -> None:
-    """Put the table (less its title, its headings under the README's section) between the README's
-    markers `begin` and `end`, so the README's figures are the result files' own."""
-    text = readme.read_text()
-    if begin not in text or end not in text:
-        return
-    body = "\n".join(f"#### {line[3:]}" if line.startswith("## ") else line for line in markdown.splitlines()[1:])
-    head, rest = text.split(begin, 1)
-    readme.write_text(f"{head}{begin}\n{body.strip()}\n{end}{rest.split(end, 1)[1]}")
-
-
 def write_tables(log: Log | None = None) -> None:
     results = load_results()
     table = build_table(results)
     (RESULTS / "table.json").write_text(json.dumps(table, indent=1))
     markdown = table_markdown(table, results)
     (RESULTS / "table.md").write_text(markdown)
-    splice_into_readme(markdown)
+    write_results_page("quality", markdown, sources="bench/results/quality", command="python -m bench.quality --table")
     (RESULTS / "tuning.md").write_text(tuning_markdown(results))
     if log:
         log(f"tables written: {RESULTS / 'table.md'}")

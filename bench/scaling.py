@@ -18,7 +18,7 @@ its summary) is set beside what `training.planner.replay` predicts for the same 
   it leaves out the store's latency and the cores the learners share, so it is a floor.
 
 Arms are resumable (one JSON per arm in bench/results/scaling/arms); `--table` rebuilds the table,
-the figure and the README section from them. Each arm's training holds /work/cpu.lock-style lock
+the figure and the page docs/results/scaling.md from them. Each arm's training holds /work/cpu.lock-style lock
 `--cpu-lock` when given, so another benchmark on the same cores can take turns with it.
 """
 
@@ -33,12 +33,10 @@ import time
 from pathlib import Path
 
 from bench.islands import Log, cpu_lock, new_run, relative_change, train_islands
-from bench.quality import splice_into_readme
+from bench.results_page import write_results_page
 
 RESULTS = Path("bench/results/scaling")
 MODES = ("butterfly", "allreduce")
-README_BEGIN = "<!-- scaling-table: written by `python -m bench.scaling --table` from bench/results/scaling -->"
-README_END = "<!-- /scaling-table -->"
 # Small enough that 32 learner processes fit on two cores: the bench is about requests and bytes, and
 # the model's size only scales the bytes.
 SCALING = {
@@ -129,7 +127,8 @@ def load_arms() -> list[dict]:
                   key=lambda a: (a["mode"], a["learners"]))
 
 
-def table_markdown(arms: list[dict]) -> str:
+def table_markdown(arms: list[dict], figure: str = "scaling.png") -> str:
+    """The table, then the figure at `figure` (a link relative to where the Markdown lands)."""
     lines = ["# Exchange cost per learner and round against the number of learners", "",
              "Measured: the learners' own transport counters (`python -m bench.scaling`). Planned: "
              "`training.planner.replay` for the same spec. Polls are planned at one per message read (a floor). "
@@ -146,7 +145,7 @@ def table_markdown(arms: list[dict]) -> str:
             f"{m['bytes_written']:,.0f} ({relative_change(m['bytes_written'], p['bytes_written'])}) | "
             f"{m['bytes_read']:,.0f} / {p['bytes_read']:,.0f} ({relative_change(m['bytes_read'], p['bytes_read'])}) | "
             f"{m['seconds_syncing']:.3f} / {p['seconds_syncing']:.3f} | {a['missed_exchanges']} |")
-    lines += ["", "![exchange cost against N](bench/results/scaling/scaling.png)", ""]
+    lines += ["", f"![exchange cost against N]({figure})", ""]
     return "\n".join(lines)
 
 
@@ -182,10 +181,10 @@ def plot(arms: list[dict], path: Path) -> None:
 
 def write_tables() -> None:
     arms = load_arms()
-    markdown = table_markdown(arms)
-    (RESULTS / "table.md").write_text(markdown)
+    (RESULTS / "table.md").write_text(table_markdown(arms))
     plot(arms, RESULTS / "scaling.png")
-    splice_into_readme(markdown, begin=README_BEGIN, end=README_END)
+    write_results_page("scaling", table_markdown(arms, figure=f"../../{RESULTS}/scaling.png"), sources=str(RESULTS),
+                       command="python -m bench.scaling --table")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """The shaped-link bench's results: a headline per arm and the Markdown table of bench/results.
 
-    .venv/bin/python -m bench.shaped_link_report   # rewrite the .md and the README's plan table from the JSON
+    .venv/bin/python -m bench.shaped_link_report   # rewrite the .md and docs/results/shaped-link.md from the JSON
 """
 
 from __future__ import annotations
@@ -11,12 +11,9 @@ import sys
 from pathlib import Path
 
 from bench.islands import relative_change
+from bench.results_page import write_results_page
 
 RESULTS = Path("bench/results/shaped_link.json")
-README_BEGIN = "<!-- plan-vs-shaped-link: written by `python -m bench.shaped_link_report` from bench/results/shaped_link.json -->"
-README_END = "<!-- /plan-vs-shaped-link -->"
-README_TABLE_BEGIN = "<!-- shaped-link-table: written by `python -m bench.shaped_link_report` from bench/results/shaped_link.json -->"
-README_TABLE_END = "<!-- /shaped-link-table -->"
 
 
 def headline(result: dict) -> dict:
@@ -135,16 +132,11 @@ def planned_markdown(document: dict) -> list[str]:
 
 
 def write_reports(document: dict, out: Path = RESULTS) -> str:
-    """The bench's Markdown beside its JSON, and the planned-against-measured table in the README."""
-    from bench.quality import splice_into_readme
-
+    """The bench's Markdown beside its JSON, and for the main results also the page docs/results/shaped-link.md."""
     text = markdown(document)
     out.with_suffix(".md").write_text(text)
-    if out.resolve() != RESULTS.resolve():  # another run's results (a drill, one arm): not the README's
-        return text
-    splice_into_readme(text, begin=README_TABLE_BEGIN, end=README_TABLE_END)
-    if any("predicted" in arm for arm in document["arms"].values()):
-        splice_into_readme("\n".join(["#", *planned_markdown(document)]), begin=README_BEGIN, end=README_END)
+    if out.resolve() == RESULTS.resolve():  # another run's results (a drill, one arm) stay beside their JSON
+        write_results_page("shaped-link", text, sources=str(RESULTS), command="python -m bench.shaped_link_report")
     return text
 
 

@@ -3,8 +3,8 @@ best (no training: finished arms are stood in for by their validation scores).""
 
 import pytest
 
-from bench.quality import (FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, README_BEGIN, README_END, SEEDS, Arm,
-                           plan, splice_into_readme)
+from bench.quality import FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, SEEDS, Arm, plan
+from bench.results_page import write_results_page
 from infra.spec import load_spec
 from training.model import build_model
 
@@ -85,11 +85,17 @@ def test_a_standard_arm_sets_the_baseline_it_is_named_for(field):
     assert spec.seed == 1
 
 
-def test_the_readme_table_is_replaced_between_its_markers_and_nothing_else(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\nbefore\n{README_BEGIN}\nold table\n{README_END}\nafter\n")
-    splice_into_readme("# Quality\n\nintro\n\n## a family\n\n| x |\n", readme)
-    assert readme.read_text() == f"# Title\nbefore\n{README_BEGIN}\nintro\n\n#### a family\n\n| x |\n{README_END}\nafter\n"
+def test_the_results_page_is_written_whole_with_what_its_result_files_record(tmp_path):
+    (tmp_path / "quality.md").write_text("an older page\n")
+    page = write_results_page("quality", "# Quality\n\nintro\n\n## a family\n\n| x |\n", pages=tmp_path,
+                              sources="bench/results/quality", command="python -m bench.quality --table")
+    assert page.read_text() == (
+        "# Quality\n\nMeasured at a commit not recorded, on a date not recorded. Result files: "
+        "[`bench/results/quality`](../../bench/results/quality). Written by `python -m bench.quality --table` from "
+        "them; rerun it rather than editing this page.\n\nintro\n\n## a family\n\n| x |\n")
+    page = write_results_page("quality", "# Quality\n", pages=tmp_path, sources="bench/results/quality",
+                              command="python -m bench.quality --table", commit="0123abc", date="2026-12-05")
+    assert "Measured at commit 0123abc on 2026-12-05." in page.read_text()
 
 
 def test_the_quality_config_is_the_benchmark_s_butterfly_arm():
