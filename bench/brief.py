@@ -130,6 +130,16 @@ def fingerprint(spec: RunSpec) -> str:
     return json.dumps(spec.model_dump(mode="json"), sort_keys=True)
 
 
+def training_settings(spec: RunSpec) -> dict:
+    """The spec less when state is saved (checkpoint schedule, retention, background writes), which changes
+    nothing a run trains: the recipe is the candidate whose training settings the config still has."""
+    settings = spec.model_dump(mode="json")
+    for field in ("checkpoint_every", "keep_checkpoints"):
+        settings["sync"].pop(field)
+    settings["sync"]["transport"].pop("checkpoint_in_background")
+    return settings
+
+
 def all_arms() -> list[BriefArm]:
     candidates = [BriefArm("candidate", SWEEP_SEED, c["name"]) for c in load_candidates()[1]]
     return candidates + [BriefArm(kind, seed) for kind in ("islands", "single") for seed in SEEDS]
@@ -356,9 +366,9 @@ def percent(value: float | None) -> str:
 def tuning_markdown(summary: dict, results: dict[str, dict]) -> str:
     """Every candidate with its validation figures, best first among those meeting the bytes target."""
     described = {c["name"]: c.get("why", "") for c in load_candidates()[1]}
-    recipe = next((r["candidate"] for r in results.values()
-                   if r["kind"] == "candidate" and r["spec_fingerprint"] == fingerprint(BriefArm("islands", SWEEP_SEED).spec())),
-                  None)
+    config = training_settings(BriefArm("islands", SWEEP_SEED).spec())
+    recipe = next((r["candidate"] for r in results.values() if r["kind"] == "candidate"
+                   and training_settings(parse_spec(json.loads(r["spec_fingerprint"]))) == config), None)
     lines = ["# Tuning the brief's recipe (seed 0, validation split only)", "",
              "Each candidate is configs/brief.yaml with configs/brief-candidates.yaml's start settings and the "
              "candidate's overrides, trained in "
