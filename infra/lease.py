@@ -137,9 +137,9 @@ def _terms(store: ObjectStore) -> list[int]:
     return sorted(int(m.group(1)) for m in map(_CLAIM.match, store.list("lease")) if m)
 
 
-def _newest_term(store: ObjectStore) -> _Term | None:
-    """The newest term whose records read as a lease; terms planted past it are skipped."""
-    return next((read for term in reversed(_terms(store)) if (read := _read_term(store, term)) is not None), None)
+def _newest_term(store: ObjectStore, terms: list[int]) -> _Term | None:
+    """The newest of the listed `terms` whose records read as a lease; terms planted past it are skipped."""
+    return next((read for term in reversed(terms) if (read := _read_term(store, term)) is not None), None)
 
 
 class RunLease:
@@ -157,11 +157,14 @@ class RunLease:
 
         `store` is the run's own prefix."""
         now = _now()
-        newest = _newest_term(store)
+        # One listing decides both: with a second one, a claim landing between them would be seen by the
+        # second alone, and this lifecycle would take the term after a live one.
+        terms = _terms(store)
+        newest = _newest_term(store, terms)
         if newest is not None and newest.live(now):
             raise LeaseHeld(newest.describe(run_id))
         # Past every listed term, read or not: a planted claim squats its term number, not the run.
-        term = max(_terms(store), default=-1) + 1
+        term = max(terms, default=-1) + 1
         expires_at = now + timedelta(seconds=ttl_s)
         try:
             store.put_json(claim_key(term), {"holder": holder, "claimed_at": _stamp(now),

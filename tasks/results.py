@@ -89,6 +89,12 @@ def _refuse(path: str, why: str, rule: str):
     raise UntrustedResultRecord(message)
 
 
+def _signed_name(name: str) -> str:
+    """What a record's signature covers: its name under `prefect-results/`. A store object's signed name
+    begins `runs/`, so a signature of one never passes for the other."""
+    return f"prefect-results/{name}"
+
+
 class RecordSigning(BaseModel):
     """The one writer whose result records a storage block writes and reads back: the process's own.
 
@@ -110,7 +116,7 @@ class RecordSigning(BaseModel):
 
     def sign(self, name: str, record: bytes) -> bytes:
         """`record` as stored under `name`, signed with the private key from this process's environment."""
-        signature = Signer.from_environment(self.writer, self.private_key_env).sign(name, sha256(record))
+        signature = Signer.from_environment(self.writer, self.private_key_env).sign(_signed_name(name), sha256(record))
         return json.dumps({"record": record.decode(), "signature": signature}).encode()
 
     def verified(self, name: str, stored: bytes) -> bytes:
@@ -120,7 +126,7 @@ class RecordSigning(BaseModel):
             record, signature = document["record"].encode(), document.get("signature")
         except (ValueError, RecursionError, TypeError, KeyError, AttributeError):
             raise Unauthenticated(f"object {name}: not a signed record") from None
-        verify_signature({self.writer: public_key_of(self.public_key)}, name, sha256(record), signature)
+        verify_signature({self.writer: public_key_of(self.public_key)}, _signed_name(name), sha256(record), signature)
         return record
 
 
@@ -133,7 +139,7 @@ class _TrustedRecordsOnly(BaseModel):
         default=None, description="Who signs these records, the only writer read back; none in a run without keys.")
 
     def _record_name(self, path: str) -> str:
-        """What a record's signature names: its path relative to the basepath, wherever the storage is mounted."""
+        """A record's path relative to the basepath, wherever the storage is mounted."""
         basepath = str(self._resolve_path("")).rstrip("/")
         return str(self._resolve_path(path))[len(basepath) + 1:]
 
