@@ -3,7 +3,7 @@ SeaweedFS, against the same run without the attack.
 
 Two islands, east and west, each with its own signing key; the run's store is one SeaweedFS bucket
 that the attacker can write, with west's S3 credentials and west's signing key. Once east's first
-learner has committed its checkpoint of round 2, the attacker plants, each signed with west's key:
+learner has committed a checkpoint of round 2 or later, the attacker plants, each signed with west's key:
 a checkpoint of that learner two rounds ahead, its message of the next round, a life of its that
 skips every round, a summary of another east learner, a lease claim of the next term, the
 consolidated model's newest rewrite and the standard model's. Both arms run the product's
@@ -11,9 +11,13 @@ lifecycle (`flows.lifecycle.run_lifecycle`) against a Prefect test server.
 
     .venv/bin/python -m bench.trust_drill
 
-Result: `bench/results/trust_drill.json`: `refused` (counts by kind of object, from the attacked
-run's report), `bpb_relative` (per evaluation, attacked against clean), `crashes` (learner lives
-that did not end cleanly), `planted` (what was planted), and both reports' bpb.
+After the attacked run, its `evaluate` stage's result record is replaced by one with flattering bpb,
+signed with west's key, and the run is resumed: the stage must run again and report its own bpb.
+
+Result: `bench/results/trust_drill.json`: `refused` (counts by kind of object: the attacked run's
+report, and the stage results the resume refused), `bpb_relative` (per evaluation, attacked against
+clean), `crashes` (learner lives that did not end cleanly), `resumed_bpb_equal`, `planted`, and both
+reports' bpb.
 """
 
 from __future__ import annotations
@@ -32,7 +36,9 @@ from infra import layout
 from infra.authority import CONTROL, Authority, generate_keypair
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
-from infra.store import ObjectStore, run_store
+from infra.store import ObjectStore, refused_in_process
+from infra.stores import open_run
+from training.ledger import read_summaries
 
 RESULT = Path("bench/results/trust_drill.json")
 KEY_VARIABLES = {CONTROL: "DRILL_SIGNING_KEY_CONTROL", "east": "DRILL_SIGNING_KEY_EAST", "west": "DRILL_SIGNING_KEY_WEST"}
@@ -75,8 +81,8 @@ def plant(attacker: ObjectStore, spec, victim: int, after_round: int) -> list[st
         planted.append(key)
 
     # Rounds far enough ahead that the victim has not written them yet.
-    commit(layout.message(victim, after_round + 6), {"delta": weights}, {"learner": victim, "round": after_round + 6})
-    commit(layout.checkpoint(victim, after_round + 8), {"weights": weights}, {"inner_step": 0})
+    commit(layout.message(victim, after_round + 10), {"delta": weights}, {"learner": victim, "round": after_round + 10})
+    commit(layout.checkpoint(victim, after_round + 12), {"weights": weights}, {"inner_step": 0})
     record(layout.learner_life(victim, 7), {"learner": victim, "life": 7, "start_round": spec.sync.rounds,
                                            "skipped_rounds": list(range(spec.sync.rounds)), "resumed_from": None})
     record(layout.learner_summary(victim + 1), {"learner": victim + 1, "island": "east"})
@@ -84,6 +90,27 @@ def plant(attacker: ObjectStore, spec, victim: int, after_round: int) -> list[st
     for model in (layout.CONSOLIDATED, layout.BASELINE):
         commit(layout.rewrite(model, 3), {"weights": weights}, {})
     return planted
+
+
+def forge_stage_result(spec, report: dict) -> str:
+    """Replace the attacked run's `evaluate` record with one whose bpb flatters the islands, signed with
+    west's key (raw S3 access can delete what the store's conditional writes keep); returns its path."""
+    from tasks.results import RecordSigning
+
+    store = ObjectStore.from_spec(spec.store)
+    folder = "prefect-results"
+    for key in store.list(folder):
+        record = json.loads(json.loads(store.get_bytes(key))["record"])
+        result = json.loads(record.get("result", "null")) if "metadata" in record else None
+        if isinstance(result, dict) and all(isinstance(result.get(name), dict) and "islands" in result[name]
+                                            for name in report["evals"]):
+            for name in report["evals"]:
+                result[name]["islands"]["bpb"] = 0.01
+            forged = json.dumps({**record, "result": json.dumps(result)}).encode()
+            store.fs.rm_file(store.address(key))
+            store.put_bytes(key, RecordSigning.of(spec, "west").sign(key.removeprefix(f"{folder}/"), forged))
+            return key
+    raise RuntimeError("no evaluate record found to forge")
 
 
 def run_arm(spec, attack: bool, log) -> dict:
@@ -98,8 +125,9 @@ def run_arm(spec, attack: bool, log) -> dict:
         # West's key, as the attacker holds it; the victim is east's first learner.
         store = ObjectStore.from_spec(spec.store, authority=Authority.of(spec, "west")).child(f"runs/{run_id}")
         while not done.is_set():
-            if store.is_committed(layout.checkpoint(0, 2)):
-                planted.extend(plant(store, spec, victim=0, after_round=2))
+            reached = max(layout.checkpoint_rounds(store.list(layout.learner_prefix(0))), default=-1)
+            if reached >= 2:
+                planted.extend(plant(store, spec, victim=0, after_round=reached))
                 log(f"  planted {len(planted)} objects signed with west's key")
                 return
             time.sleep(0.05)
@@ -111,6 +139,12 @@ def run_arm(spec, attack: bool, log) -> dict:
     report = run_lifecycle(spec, run_id)
     done.set()
     return {"run_id": run_id, "wall_s": round(time.monotonic() - started, 1), "report": report, "planted": planted}
+
+
+def run_lifecycle_again(spec, run_id: str) -> dict:
+    from flows.lifecycle import run_lifecycle
+
+    return run_lifecycle(spec, run_id)
 
 
 def main() -> None:
@@ -133,17 +167,23 @@ def main() -> None:
             arms[attack] = run_arm(spec, attack, log)
             log(f"arm {'attacked' if attack else 'clean'}: {arms[attack]['wall_s']} s")
         attacked, clean = arms[True], arms[False]
-        summaries = [run_store(spec.store, attacked["run_id"]).get_json(layout.learner_summary(i))
-                     for i in range(len(spec.learners))]
+        forged = forge_stage_result(spec, attacked["report"])
+        log(f"forged the evaluate stage's record ({forged}); resuming the attacked run")
+        before = refused_in_process().get("stage-result", 0)
+        resumed = run_lifecycle_again(spec, attacked["run_id"])
+        stage_results_refused = refused_in_process().get("stage-result", 0) - before
+        summaries = read_summaries(spec, open_run(spec, attacked["run_id"]))
     reports = {arm: arms[flag]["report"] for arm, flag in (("clean", False), ("attacked", True))}
     result = {
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "date": time.strftime("%Y-%m-%d"),
-        "planted": attacked["planted"],
-        "refused": attacked["report"]["trust"]["refused"],
+        "planted": attacked["planted"] + [forged],
+        "refused": {**attacked["report"]["trust"]["refused"],
+                    "stage-result": stage_results_refused},
+        "resumed_bpb_equal": resumed["evals"] == attacked["report"]["evals"],
         "bpb_relative": {name: e["islands_bpb"] / clean["report"]["evals"][name]["islands_bpb"] - 1
                          for name, e in attacked["report"]["evals"].items()},
-        "crashes": sum(1 for s in summaries for before in s["lives"][:-1] if not before["paused"]),
+        "crashes": sum(1 for s in summaries for before in s.lives[:-1] if not before["paused"]),
         "missed_exchanges": {arm: r["faults"]["missed_exchanges"] for arm, r in reports.items()},
         "bpb": {arm: {name: e["islands_bpb"] for name, e in r["evals"].items()} for arm, r in reports.items()},
         "wall_s": {"clean": clean["wall_s"], "attacked": attacked["wall_s"]},
