@@ -14,8 +14,9 @@ lifecycle (`flows.lifecycle.run_lifecycle`) against a Prefect test server.
 After the attacked run, its `evaluate` stage's result record is replaced by one with flattering bpb,
 signed with west's key, and the run is resumed: the stage must run again and report its own bpb.
 
-Result: `bench/results/trust_drill.json`: `refused` (counts by kind of object: the attacked run's
-report, and the stage results the resume refused), `bpb_relative` (per evaluation, attacked against
+Result: `bench/results/trust_drill.json`: `refused` (counts by kind of object, the attacked run's
+report), `refused_on_resume` (what the resume refused: the forged stage result, the planted lease
+claim its lease check reads, the planted models again), `bpb_relative` (per evaluation, attacked against
 clean), `crashes` (learner lives that did not end cleanly), `resumed_bpb_equal`, `planted`, and both
 reports' bpb.
 """
@@ -169,17 +170,18 @@ def main() -> None:
         attacked, clean = arms[True], arms[False]
         forged = forge_stage_result(spec, attacked["report"])
         log(f"forged the evaluate stage's record ({forged}); resuming the attacked run")
-        before = refused_in_process().get("stage-result", 0)
+        before = refused_in_process()
         resumed = run_lifecycle_again(spec, attacked["run_id"])
-        stage_results_refused = refused_in_process().get("stage-result", 0) - before
+        refused_on_resume = {kind: count - before.get(kind, 0) for kind, count in refused_in_process().items()
+                             if count > before.get(kind, 0)}
         summaries = read_summaries(spec, open_run(spec, attacked["run_id"]))
     reports = {arm: arms[flag]["report"] for arm, flag in (("clean", False), ("attacked", True))}
     result = {
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "date": time.strftime("%Y-%m-%d"),
         "planted": attacked["planted"] + [forged],
-        "refused": {**attacked["report"]["trust"]["refused"],
-                    "stage-result": stage_results_refused},
+        "refused": attacked["report"]["trust"]["refused"],
+        "refused_on_resume": refused_on_resume,
         "resumed_bpb_equal": resumed["evals"] == attacked["report"]["evals"],
         "bpb_relative": {name: e["islands_bpb"] / clean["report"]["evals"][name]["islands_bpb"] - 1
                          for name, e in attacked["report"]["evals"].items()},
@@ -190,7 +192,8 @@ def main() -> None:
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    log(json.dumps({k: result[k] for k in ("refused", "bpb_relative", "crashes", "missed_exchanges")}))
+    log(json.dumps({k: result[k] for k in ("refused", "refused_on_resume", "bpb_relative", "crashes",
+                                           "missed_exchanges")}))
 
 
 if __name__ == "__main__":
