@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from bench.results_page import write_results_page
 from infra import layout
 from infra.authority import CONTROL, Authority, generate_keypair
 from infra.seaweed import seaweed_server
@@ -142,6 +143,35 @@ def run_arm(spec, attack: bool, log) -> dict:
     return {"run_id": run_id, "wall_s": round(time.monotonic() - started, 1), "report": report, "planted": planted}
 
 
+def results_markdown(result: dict) -> str:
+    """The drill's page: what was planted, what was refused, and the run's bpb against the clean one."""
+    refused = "\n".join(f"| {kind} | {result['refused'].get(kind, 0)} | {result['refused_on_resume'].get(kind, 0)} |"
+                        for kind in sorted(set(result["refused"]) | set(result["refused_on_resume"])))
+    bpb = "\n".join(f"| {name} | {result['bpb']['clean'][name]:.4f} | {result['bpb']['attacked'][name]:.4f} | "
+                    f"{relative:+.2%} |" for name, relative in result["bpb_relative"].items())
+    planted = "\n".join(f"- `{key}`" for key in result["planted"])
+    return f"""# Trust drill: objects planted with one island's key in the middle of a signed run
+
+An attacker holding west's S3 credentials and signing key plants, once east's first learner has
+checkpointed round 2, the objects below; after the run it replaces the `evaluate` stage's result
+record with one of flattering bpb and the run is resumed. Same spec and seed without the attack as
+the reference. Learner lives that did not end cleanly: {result['crashes']}. Missed exchanges: clean
+{result['missed_exchanges']['clean']}, attacked {result['missed_exchanges']['attacked']}. The resume
+reported the bpb it computed itself: {result['resumed_bpb_equal']}.
+
+Planted:
+{planted}
+
+| refused, by kind | in the attacked run | on its resume |
+|---|---|---|
+{refused}
+
+| evaluation | clean bpb | attacked bpb | relative |
+|---|---|---|---|
+{bpb}
+"""
+
+
 def run_lifecycle_again(spec, run_id: str) -> dict:
     from flows.lifecycle import run_lifecycle
 
@@ -192,6 +222,8 @@ def main() -> None:
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
+    write_results_page("trust_drill", results_markdown(result), sources=str(RESULT),
+                       command="python -m bench.trust_drill", commit=result["commit"], date=result["date"])
     log(json.dumps({k: result[k] for k in ("refused", "refused_on_resume", "bpb_relative", "crashes",
                                            "missed_exchanges")}))
 

@@ -63,9 +63,12 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_
         raw["store"] = store or {"url": folder}
         raw["sync"]["rounds"] = rounds
         raw["sync"]["transport"]["bandwidth"] = {}
+        # Nor is it of their keys: a profile's objects live in a throwaway folder.
+        raw["signing"] = None
         for island in raw["islands"]:
             island["windows"] = []
             island.pop("store", None)
+            island.pop("signing", None)
         profiled = parse_spec(raw)
         run_id = f"profile-{time.strftime('%Y%m%d-%H%M%S')}"
         run = run_store(profiled.store, run_id)
