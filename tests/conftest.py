@@ -18,6 +18,28 @@ from tests.corpora import corpus_folder
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
+# A test that uses one of these runs against a real server: the integration tier.
+SERVER_FIXTURES = {"s3_server", "s3_env", "prefect_api"}
+# Modules whose tests start servers of their own or learner processes: the integration tier too.
+INTEGRATION_MODULES = {"test_cli", "test_deadlines", "test_security_control_plane", "test_security_processes",
+                       "test_seaweed_smoke", "test_splits", "test_windows"}
+
+
+def pytest_collection_modifyitems(items):
+    """Every test in one tier: `ui` and `integration` as marked (a module's `pytestmark` or the test's
+    own), else integration when it uses a server fixture, is the S3 side of a parametrised test or sits
+    in one of `INTEGRATION_MODULES`, else unit."""
+    for item in items:
+        if item.get_closest_marker("ui") or item.get_closest_marker("integration"):
+            continue
+        callspec = getattr(item, "callspec", None)
+        on_s3 = callspec is not None and "s3" in callspec.params.values()  # `store`'s and others' S3 side
+        if SERVER_FIXTURES & set(item.fixturenames) or on_s3 or item.module.__name__.rsplit(".", 1)[-1] in INTEGRATION_MODULES:
+            item.add_marker(pytest.mark.integration)
+        else:
+            item.add_marker(pytest.mark.unit)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def data_root(tmp_path_factory):
     """`files` corpora may read only under the data root: here a folder of this session's, where tests write

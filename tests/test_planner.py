@@ -122,6 +122,7 @@ def test_the_link_for_a_goal_is_the_slowest_that_reaches_it():
     assert bandwidth_for(spec, {"i0": 0.1, "i1": 0.4}, 0.95) is None
 
 
+@pytest.mark.integration  # the CLI in a process of its own, with learners
 def test_plan_command_prints_and_writes_the_plan(tmp_path, capsys):
     config = tmp_path / "spec.yaml"
     config.write_text(json.dumps(spec_of(fragments=2, tau=1).model_dump(mode="json")))
@@ -210,6 +211,7 @@ def test_a_profile_is_read_from_round_ends_and_per_round_compute():
     assert profile.tokens_per_s == pytest.approx(4 * 128 / 2.6)
 
 
+@pytest.mark.integration  # the CLI in a process of its own, with learners
 def test_plan_command_profiles_with_the_run_s_own_learners(tmp_path, capsys):
     config = tmp_path / "spec.yaml"
     config.write_text(json.dumps({

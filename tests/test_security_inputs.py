@@ -146,6 +146,7 @@ def test_the_spec_counts_the_parameters_of_the_model_it_builds(tmp_path, model):
     assert spec.model.parameter_count(spec.max_seq_len) == build_model(spec).parameter_counts()["total"]
 
 
+@pytest.mark.integration  # a learner process
 def test_a_learner_refuses_a_spec_json_that_is_not_the_one_the_control_plane_started_it_with(tmp_path):
     """Attack: whoever can write the run's store replaces spec.json (here with more rounds; as well
     other keys or stores); before, the learner trained on whatever spec.json said."""

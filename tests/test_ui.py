@@ -31,6 +31,8 @@ import pytest
 from infra.spec import parse_spec
 from tests.test_lifecycle import TINY
 
+pytestmark = pytest.mark.ui
+
 OUTPUT = Path(__file__).resolve().parent / "output" / "ui"
 RUN_TIMEOUT_S = 420
 
