@@ -312,7 +312,7 @@ def test_the_relay_reports_a_burst_of_rounds_at_its_first_and_last_round_only(pr
 def test_a_learner_inherits_neither_the_control_planes_api_string_nor_withheld_keys(tmp_path, monkeypatch):
     """A learner runs where store writers' data is mixed in: it gets its own island's keys and nothing
     that opens the Prefect API (whoever holds that string can run code on every worker)."""
-    store_url, store = endless_learner_run(tmp_path, processes=1, learners=2, run_id="env")
+    store_url, store = endless_learner_run(tmp_path, processes=1, run_id="env")
     monkeypatch.setenv("PREFECT_API_AUTH_STRING", "archipelago:secret")
     monkeypatch.setenv("OTHER_ISLAND_SIGNING_KEY", "not-for-this-learner")
     monkeypatch.setenv("OWN_ISLAND_SIGNING_KEY", "for-this-learner")
