@@ -113,7 +113,8 @@ def _segments_through_windows(spec, run_id):
 
     dispatched = []
 
-    def run_deployment_here(name, parameters, scheduled_time, flow_run_name, poll_interval):
+    def run_deployment_here(name, parameters, scheduled_time, tags, flow_run_name, poll_interval):
+        assert tags == segments.segment_tags(run_id, "east")  # what stop_segments finds the run's segments by
         dispatched.append((name, scheduled_time, parameters["until"]))
         segment(**parameters)
         return SimpleNamespace(state=Completed(), name=flow_run_name, work_pool_name=segments.island_pool("east"))
