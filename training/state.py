@@ -27,6 +27,10 @@ from training.retention import Retention, checkpoint_rounds
 from training.sync import Exchange, Exchanger
 
 
+class RecordRejected(ValueError):
+    """A life or pause record that is not what its learner writes; says which record and why."""
+
+
 class CheckpointRejected(ValueError):
     """A checkpoint that is not a state of this learner's model and optimizers; says which part."""
 
@@ -225,7 +229,7 @@ class Lives:
                 self._records[key] = _checked_record(record, learner, key, self.rounds)
             except IntegrityError:
                 self._records[key] = None
-            except CheckpointRejected:
+            except RecordRejected:
                 store.refused(key)
                 self._records[key] = None
         return self._records[key]
@@ -237,24 +241,24 @@ MAX_SQUATTED_LIVES = 8
 
 def _checked_record(record: dict, learner: int, key: str, rounds: int) -> dict:
     """A life or pause record as its learner writes it (`Lives.record`, `Lives.record_pause`), or
-    CheckpointRejected: its learner and life those of its key, its rounds within the run."""
+    RecordRejected: its learner and life those of its key, its rounds within the run."""
     def count(value, upper: int) -> bool:
         return type(value) is int and 0 <= value <= upper
 
     life = int(key.rsplit("-", 1)[1].removesuffix(".json"))
     if record.get("learner") != learner or record.get("life") != life:
-        raise CheckpointRejected(f"record {key} is not learner {learner}'s life {life}")
+        raise RecordRejected(f"record {key} is not learner {learner}'s life {life}")
     if "/paused-" in key:
         if not count(record.get("next_round"), rounds):
-            raise CheckpointRejected(f"record {key}: next_round is not a round of the run")
+            raise RecordRejected(f"record {key}: next_round is not a round of the run")
         return record
     skipped, resumed = record.get("skipped_rounds"), record.get("resumed_from")
     if not count(record.get("start_round"), rounds) or not isinstance(skipped, list) or len(skipped) > rounds \
             or not all(count(t, rounds - 1) for t in skipped):
-        raise CheckpointRejected(f"record {key}: its rounds are not rounds of the run")
+        raise RecordRejected(f"record {key}: its rounds are not rounds of the run")
     if resumed is not None and not (isinstance(resumed, dict) and count(resumed.get("learner"), 1 << 20)
                                     and count(resumed.get("round"), rounds - 1)):
-        raise CheckpointRejected(f"record {key}: resumed_from names no checkpoint of the run")
+        raise RecordRejected(f"record {key}: resumed_from names no checkpoint of the run")
     return record
 
 
