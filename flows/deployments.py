@@ -26,18 +26,20 @@ from tasks.training import train_learner
 
 
 @flow(name="segment", persist_result=False, result_serializer=RESULT_SERIALIZER)
-def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = None) -> dict:
+def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = None,
+            lease_term: int | None = None) -> dict:
     """The island's learners, each its own OS process, until they finish or the capacity window ends.
 
     `until`: the window's end; a learner stops before a round that would not finish in time,
     with that round's predecessor checkpointed, and the next segment resumes from there.
+    `lease_term`: the lifecycle's; the learners stop once a newer term holds the run.
     """
     yield_cpu_to_learners()
     stop_learners_on_sigterm(run_id)  # a cancelled segment's learners stop with it
     load_credential_blocks(spec, island)  # its own writer key, the other islands' read-only keys
     # Its learners' records are signed by this island, and only this island's are read back.
     train = train_learner.with_options(result_storage=result_storage(spec.store, RecordSigning.of(spec, island)))
-    learners = [train.submit(spec, run_id, island, slot.index, until)
+    learners = [train.submit(spec, run_id, island, slot.index, until, lease_term)
                 for slot in spec.learners if slot.island.name == island]
     results = [learner.result() for learner in learners]
     return {"island": island, "finished": all(r["finished"] for r in results), "learners": results}

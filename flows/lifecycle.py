@@ -43,13 +43,14 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     load_credential_blocks(spec)
     run_id = run_id or new_run_id(spec)
     with held_lease(open_run(spec, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
-                    warn=get_run_logger().warning, on_lost=lambda reason: stop_run_work(run_id, reason)):
+                    warn=get_run_logger().warning, on_lost=lambda reason: stop_run_work(run_id, reason)) as lease:
         start_run(spec, run_id)
         prepare_data(spec, run_id)
         if islands_via == "deployments":
-            segments = [island_segments.submit(spec, run_id, island.name) for island in spec.islands]
+            segments = [island_segments.submit(spec, run_id, island.name, lease.term) for island in spec.islands]
         else:
-            segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index) for slot in spec.learners]
+            segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index, lease_term=lease.term)
+                        for slot in spec.learners]
         for segment in segments:
             segment.result()
         consensus = consolidate_learners(spec, run_id)

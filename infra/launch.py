@@ -66,6 +66,8 @@ class LearnerProcess:
     # The run's spec as the control plane knows it (infra.spec.spec_sha256): the learner refuses a
     # spec.json in the store that differs, whoever wrote it. A hash, not a secret.
     spec_sha256: str = field(kw_only=True)
+    # The lease term of the lifecycle that starts it (infra.lease.LeaseFence): it stops once a newer one holds the run.
+    lease_term: int | None = field(default=None, kw_only=True)
 
     def command(self, store_url: str, endpoint_url: str | None, run_id: str,
                 credentials_env: str | None = None) -> list[str]:
@@ -82,6 +84,8 @@ class LearnerProcess:
             args += ["--credentials-env", credentials_env]
         if self.until:
             args += ["--until", self.until.isoformat()]
+        if self.lease_term is not None:
+            args += ["--lease-term", str(self.lease_term)]
         return [*self.wrapper, *launcher, *args]
 
 

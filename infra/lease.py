@@ -23,12 +23,14 @@ for so long that the next try would leave less than `stop_margin_s` before expir
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import re
 import socket
-import contextvars
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -38,6 +40,10 @@ from datetime import datetime, timedelta, timezone
 from infra.store import IntegrityError, ObjectExists, ObjectStore, StoreError
 
 LEASE_TTL_S = 120.0
+# A learner started under a term looks this often whether a newer term has taken the run.
+FENCE_EVERY_S = 30.0
+# Exit status of a learner whose lifecycle no longer holds the run: another one has taken it.
+SUPERSEDED = 87
 MAX_LEASE_S = 3600.0  # no lease is taken or renewed for longer: a record that says otherwise is not one
 LEASE_RECORD_MAX_BYTES = 64 << 10
 RENEW_EVERY_S = 30.0
@@ -140,6 +146,41 @@ def _terms(store: ObjectStore) -> list[int]:
 def _newest_term(store: ObjectStore, terms: list[int]) -> _Term | None:
     """The newest of the listed `terms` whose records read as a lease; terms planted past it are skipped."""
     return next((read for term in reversed(terms) if (read := _read_term(store, term)) is not None), None)
+
+
+def newest_term_number(store: ObjectStore) -> int | None:
+    """The term of the run's newest lease that reads as one; None before the first claim."""
+    newest = _newest_term(store, _terms(store))
+    return None if newest is None else newest.term
+
+
+class LeaseFence:
+    """A learner's half of the lease: it was started under `term`, and once a newer term reads as the
+    run's lease (another lifecycle took the run after this one lost it) the learner ends itself
+    instead of training beside that lifecycle's learners. It looks at start and every `every_s`; a
+    store out of reach is no reason to stop (the learner's own deadlines and watchdog cover it)."""
+
+    def __init__(self, store: ObjectStore, term: int, what: str, every_s: float = FENCE_EVERY_S,
+                 end: Callable[[int], None] = os._exit):
+        self.store, self.term, self.what, self.every_s, self.end = store, term, what, every_s, end
+        self._thread = threading.Thread(target=self._watch, name="lease-fence", daemon=True)
+
+    def start(self) -> "LeaseFence":
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                newest = newest_term_number(self.store)
+            except StoreError:
+                newest = None
+            if newest is not None and newest > self.term:
+                print(f"{self.what}: started under lease term {self.term}, but term {newest} now holds the run; "
+                      "exiting so that only that lifecycle's learners train", file=sys.stderr, flush=True)
+                self.end(SUPERSEDED)
+                return
+            time.sleep(self.every_s)
 
 
 class RunLease:

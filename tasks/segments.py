@@ -71,7 +71,7 @@ def stop_segments(run_id: str, reason: str, island: str | None = None, timeout_s
 
 
 def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, start_at: datetime | None = None,
-                until: datetime | None = None):
+                until: datetime | None = None, lease_term: int | None = None):
     """Segment `n` of an island, a run of its deployment on its work pool, from `start_at` (None: now;
     its worker may start the process earlier, Prefect holds the flow until then) until its learners
     finish or `until`; waits for it and returns the completed flow run. Earlier segment flow runs of
@@ -83,7 +83,7 @@ def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, start_at: d
     flow_run = run_deployment(
         segment_deployment(island),
         parameters={"spec": spec.model_dump(mode="json"), "run_id": run_id, "island": island,
-                    "until": until.isoformat() if until else None},
+                    "until": until.isoformat() if until else None, "lease_term": lease_term},
         scheduled_time=start_at, tags=segment_tags(run_id, island),
         flow_run_name=f"{run_id}-{island}-window-{n}", poll_interval=2)
     if not flow_run.state.is_completed():
@@ -92,9 +92,10 @@ def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, start_at: d
     return flow_run
 
 
-@stage("island-segments", task_run_name="segments-{island}")
-def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
-    """Run the island's learners window by window until every one has trained all its rounds."""
+@stage("island-segments", task_run_name="segments-{island}", ignored_inputs=("lease_term",))
+def island_segments(spec: RunSpec, run_id: str, island: str, lease_term: int | None = None) -> dict:
+    """Run the island's learners window by window until every one has trained all its rounds, under
+    the lifecycle's `lease_term` (its learners stop once a newer term holds the run)."""
     logger = get_run_logger()
     island_spec = next(i for i in spec.islands if i.name == island)
     stores = RunStores(spec, open_run(spec, run_id, writer=None))
@@ -107,7 +108,7 @@ def island_segments(spec: RunSpec, run_id: str, island: str) -> dict:
         if window is not None:
             logger.info("segment %d of island %s scheduled for its window %s", n, island, window.describe())
         flow_run = run_segment(spec, run_id, island, n, window.start_at if window else None,
-                               window.end_at if window else None)
+                               window.end_at if window else None, lease_term)
         segments.append({"flow_run": flow_run.name, "work_pool": flow_run.work_pool_name})
         if all(finished(stores, spec, i) for i in learners):
             logger.info("island %s finished in %d segment(s) on work pool %s", island, len(segments),

@@ -60,8 +60,11 @@ def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
     return relay
 
 
-@stage("train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1)
-def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: datetime | None = None) -> dict:
+# The lease term is the lifecycle's, not the learner's work: a resumed run's learners that finished stay Cached.
+@stage("train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1,
+       ignored_inputs=("lease_term",))
+def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: datetime | None = None,
+                  lease_term: int | None = None) -> dict:
     """One learner of an island's segment, as its own OS process (a torchrun group if it has several).
 
     A learner that dies is retried by Prefect and resumes from the newest checkpoint it can trust.
@@ -73,7 +76,7 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
     progress = create_progress_artifact(0.0, key=f"progress-learner-{learner}",
                                         description=f"Rounds completed by learner {learner} on {island} ({run_id})")
     run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until,
-                               spec_sha256=spec_sha256(spec)),
+                               spec_sha256=spec_sha256(spec), lease_term=lease_term),
                 spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress),
                 spec.store.credentials_env,
                 foreign_signing_keys(spec, island) + foreign_writer_credentials(spec, island))

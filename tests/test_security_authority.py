@@ -259,3 +259,25 @@ def test_planted_lease_records_neither_block_nor_end_the_run(tmp_path, signed_ru
     store_of("a").put_json(claim_key(0), {"holder": {"who": "a"}, "claimed_at": "now",
                                           "expires_at": "2099-01-01T00:00:00+00:00"})
     assert RunLease.acquire(store_of(CONTROL), "r", {"who": "control"}).term == 1
+
+
+def test_a_learner_started_under_a_lease_term_stops_once_a_newer_term_holds_the_run(signed_run):
+    import time
+
+    from infra.lease import SUPERSEDED, LeaseFence, RunLease, claim_key
+
+    spec, store_of = signed_run
+    control = store_of(CONTROL)
+    first = RunLease.acquire(control, "r", {"who": "first lifecycle"})
+    ended: list[int] = []
+    LeaseFence(store_of("a"), first.term, "learner 0", every_s=0.05, end=ended.append).start()
+    store_of("b").put_json(claim_key(first.term + 5), {"holder": {"who": "b"}, "claimed_at": "now",
+                                                       "expires_at": "2099-01-01T00:00:00+00:00"})
+    time.sleep(0.3)
+    assert ended == []  # its own term, and a newer one that does not verify, change nothing
+    first.release()
+    second = RunLease.acquire(control, "r", {"who": "second lifecycle"})
+    deadline = time.monotonic() + 5
+    while not ended and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert second.term > first.term and ended == [SUPERSEDED]

@@ -330,3 +330,18 @@ def test_a_learner_inherits_neither_the_control_planes_api_string_nor_withheld_k
                     "env", inspect_then_stop, withheld_env=["OTHER_ISLAND_SIGNING_KEY"])
     assert seen and all("PREFECT_API_AUTH_STRING" not in env and "OTHER_ISLAND_SIGNING_KEY" not in env
                         and env.get("OWN_ISLAND_SIGNING_KEY") == "for-this-learner" for env in seen)
+
+
+def test_a_learner_of_a_lifecycle_that_lost_the_run_does_not_train_beside_the_next_ones(tmp_path):
+    """The lifecycle that started a learner lost the lease and another took the run (term 1): a retry of
+    the old lifecycle's learner task, started under term 0, exits at once instead of training twice."""
+    from infra.launch import LearnerFailed
+    from infra.lease import SUPERSEDED, RunLease
+
+    store_url, store = endless_learner_run(tmp_path, processes=1, run_id="fenced-term")
+    RunLease.acquire(store, "fenced-term", {"who": "old lifecycle"}).release()
+    RunLease.acquire(store, "fenced-term", {"who": "new lifecycle"})
+    with pytest.raises(LearnerFailed, match=f"exit status {SUPERSEDED}") as failed:
+        run_learner(LearnerProcess(0, 1, 1, spec_sha256=spec_sha256(store.get_json(layout.SPEC)), lease_term=0),
+                    store_url, None, "fenced-term", print)
+    assert "term 1 now holds the run" in str(failed.value)

@@ -7,7 +7,8 @@ process group, and runs the learner.
 
 The exit status tells the launcher how the segment ended: 0 when the learner finished its
 rounds, `WINDOW_CLOSED` when it stopped at its capacity window's end; `watchdog.STALLED` when it
-made no progress for too long.
+made no progress for too long; `lease.SUPERSEDED` when a newer lease term than the one it was
+started under (`--lease-term`) holds the run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from infra import layout, watchdog
 from infra.authority import Authority
+from infra.lease import LeaseFence
 from infra.launch import WINDOW_CLOSED
 from infra.retry import RetryPolicy
 from infra.spec import RunSpec, spec_sha256
@@ -42,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
     parser.add_argument("--until", type=datetime.fromisoformat, default=None,
                         help="end of the island's capacity window (ISO 8601 with offset): stop cleanly before it")
+    parser.add_argument("--lease-term", type=int, default=None,
+                        help="the run's lease term of the lifecycle that started it: stop once a newer one holds the run")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -59,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     store = ObjectStore(args.store, args.endpoint_url,
                         RetryPolicy(attempts=spec.store.retry_attempts, budget_s=spec.store.retry_budget_s),
                         faults, spec.store.credentials_env, Authority.of(spec, island)).child(f"runs/{args.run_id}")
+    if args.lease_term is not None and rank == 0:  # the group's other ranks end with it
+        # Without injected faults: the fence's reads are no part of a drill's store traffic.
+        LeaseFence(ObjectStore(args.store, args.endpoint_url, store.retry, credentials_env=spec.store.credentials_env,
+                               authority=Authority.of(spec, None)).child(f"runs/{args.run_id}"),
+                   args.lease_term, f"learner {args.learner}").start()
     if world > 1:
         dist.init_process_group("nccl" if spec.learners[args.learner].island.device == "cuda" else "gloo")
     try:
