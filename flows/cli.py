@@ -10,6 +10,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+
 from infra import layout
 from infra.lease import LeaseHeld
 from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, parse_spec
@@ -222,6 +224,37 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def keys(args: argparse.Namespace) -> int:
+    """A signing key pair per writer (the control plane and each named island, infra/authority.py): each
+    private key into a file of its own that only its owner can read, never to the terminal; the spec's
+    `signing` sections with the public keys to stdout."""
+    from infra.authority import CONTROL, generate_keypair
+
+    writers = [CONTROL, *args.islands]
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    taken = [w for w in writers if (folder / f"{w}.key").exists()]
+    if taken:
+        print(f"error: {', '.join(str(folder / f'{w}.key') for w in taken)} already exist; keys are never "
+              "overwritten (a run signed with them could no longer be checked)", file=sys.stderr)
+        return 2
+    sections = {}
+    for writer in writers:
+        private, public = generate_keypair()
+        path = folder / f"{writer}.key"
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+            file.write(private + "\n")
+        sections[writer] = {"public_key": public,
+                            "private_key_env": f"ARCHIPELAGO_SIGNING_KEY_{writer.upper().replace('-', '_')}"}
+    print("# In the run spec: the control plane's keys at the top level, each island's under its entry.")
+    print(yaml.safe_dump({"signing": sections[CONTROL],
+                          "islands": [{"name": island, "signing": sections[island]} for island in args.islands]},
+                         sort_keys=False).rstrip())
+    print("# Each writer's environment, and only its: export <private_key_env>=$(cat <writer>.key), or a Prefect "
+          f"Secret block; the private keys are in {folder}/.")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="archipelago", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -265,6 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--home", default=".archipelago/prefect", help="the server's PREFECT_HOME")
     serve_parser.add_argument("--logs", default=".archipelago/logs", help="server and worker logs")
     serve_parser.set_defaults(handler=serve)
+    keys_parser = commands.add_parser(
+        "keys", help="make signing key pairs for the control plane and islands, and print the spec's signing sections")
+    keys_parser.add_argument("islands", nargs="+", help="the islands' names, as in the spec")
+    keys_parser.add_argument("--out", default=".archipelago/keys", help="folder for the private keys (files 0600)")
+    keys_parser.set_defaults(handler=keys)
     args = parser.parse_args(argv)
     return args.handler(args)
 

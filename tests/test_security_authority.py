@@ -281,3 +281,33 @@ def test_a_learner_started_under_a_lease_term_stops_once_a_newer_term_holds_the_
     while not ended and time.monotonic() < deadline:
         time.sleep(0.05)
     assert second.term > first.term and ended == [SUPERSEDED]
+
+
+def test_archipelago_keys_writes_private_keys_to_owner_only_files_and_prints_the_spec_sections(
+        tmp_path, capsys, monkeypatch):
+    import os
+    import stat
+
+    import yaml
+
+    from flows.cli import main
+
+    assert main(["keys", "east", "west", "--out", str(tmp_path / "keys")]) == 0
+    printed = capsys.readouterr().out
+    sections = yaml.safe_load(printed)
+    files = {path.stem: path for path in (tmp_path / "keys").iterdir()}
+    assert set(files) == {CONTROL, "east", "west"}
+    for writer, path in files.items():
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert path.read_text().strip() not in printed
+        section = sections["signing"] if writer == CONTROL else \
+            next(i["signing"] for i in sections["islands"] if i["name"] == writer)
+        monkeypatch.setenv(section["private_key_env"], path.read_text().strip())
+    spec = parse_spec({"name": "keys", "signing": sections["signing"],
+                       "islands": [{"name": i["name"], "learners": 1, "batch_size": 1, "seq_len": 8,
+                                    "inner_steps": 1, "signing": i["signing"]} for i in sections["islands"]],
+                       "data": {"corpora": [{"name": "t", "source": "files", "paths": ["x/*.txt"]}]},
+                       "sync": {"rounds": 2}})
+    signed = Authority.of(spec, "east").sign("runs/r/learners/000/summary.json", "0" * 64)
+    Authority.of(spec, None).verify("runs/r/learners/000/summary.json", "0" * 64, signed)
+    assert main(["keys", "east", "--out", str(tmp_path / "keys")]) == 2  # never overwritten
