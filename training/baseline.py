@@ -17,6 +17,7 @@ import torch
 from infra import layout
 from infra.derived import commit_derived
 from infra.spec import RunSpec
+from infra.stores import RunStores
 from training.streams import WindowSampler, read_stream
 from training.inner import inner_optimizer, optimizer_step
 from training.model import build_model
@@ -51,9 +52,12 @@ class BaselinePlan:
 
 
 def shard_samplers(spec: RunSpec, store, learners: list[int]) -> dict[int, WindowSampler]:
-    """The baseline's window samplers over the given learners' shards (seeded apart from the learners')."""
+    """The baseline's window samplers over the given learners' shards (seeded apart from the learners').
+    `store`: the run's; each shard lies in its learner's island's store, where data preparation put it."""
     manifest = store.get_json(layout.DATA_MANIFEST)
-    return {i: WindowSampler(read_stream(store, manifest["shards"][i]), spec.learners[i].island.seq_len,
+    stores = RunStores(spec, store)
+    return {i: WindowSampler(read_stream(stores.island(spec.learners[i].island.name), manifest["shards"][i]),
+                             spec.learners[i].island.seq_len,
                              seed=spec.seed * 7919 + i + 1_000_003) for i in learners}
 
 
