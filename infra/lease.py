@@ -218,8 +218,7 @@ class RunLease:
 
     def renew(self) -> None:
         """Push the expiry out by the lease's lifetime, as a new object; `LeaseLost` if the run was taken."""
-        taken = next((read for term in _terms(self.store) if term > self.term
-                      and (read := _read_term(self.store, term)) is not None), None)
+        taken = _newest_term(self.store, [term for term in _terms(self.store) if term > self.term])
         if taken is not None:
             taker = taken.claim
             raise LeaseLost(f"run {self.run_id}: this lifecycle's lease (term {self.term}) expired at "

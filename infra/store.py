@@ -125,6 +125,7 @@ _GIVE_UP_EVERY_S = 3.0
 JSON_MAX_BYTES = 16 << 20
 # A document nested deeper than this is refused before it is parsed (json.loads would recurse).
 _JSON_MAX_DEPTH = 64
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 # fsspec reads a timeout of 0 as no timeout at all: an attempt with no time left gets this instead.
 _MIN_ATTEMPT_S = 0.001
 # When every store call this thread makes must have ended (time.monotonic()), see `calls_end_by`.
@@ -455,8 +456,14 @@ class ObjectStore:
         return self.put_bytes(key, save_safetensors(payload, metadata=metadata))
 
     def get_tensors(self, ref: ObjectRef) -> dict[str, torch.Tensor]:
-        data = self.get_bytes(ref.key, ref.sha256)
-        return load_safetensors(data)
+        """The tensors `ref` names, read at most at its recorded size and verified against its checksum;
+        an IntegrityError (counted as refused) if the bytes are no safetensors payload."""
+        data = self.get_bytes(ref.key, ref.sha256, max_bytes=ref.nbytes)
+        try:
+            return load_safetensors(data)
+        except Exception:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
+            self.refused(ref.key)
+            raise IntegrityError(f"object {ref.key} in {self.url}: not a safetensors payload") from None
 
     # -- committed tensor sets ------------------------------------------------------------------
 
@@ -472,24 +479,19 @@ class ObjectStore:
     def is_committed(self, key: str) -> bool:
         return self.exists(f"{key}.json")
 
-    def read_committed(self, key: str, max_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
-        """Tensors and metadata of a commit, verified against the commit's checksum (and signature);
-        and bytes read. `max_bytes`: the most tensor bytes the reader takes."""
+    def read_committed(self, key: str) -> tuple[dict[str, torch.Tensor], dict, int]:
+        """Tensors and metadata of a commit, verified against the commit's checksum (and signature),
+        the tensors read at most at the size the commit declares; and bytes read."""
         meta, meta_bytes = self.get_json_sized(f"{key}.json")
         try:
             ref = ObjectRef.from_json(meta.pop("tensors"))
         except (KeyError, TypeError, ValueError, AttributeError):
             self.refused(key)
             raise IntegrityError(f"object {key} in {self.url}: its commit names no tensor object") from None
-        if ref.key != f"{key}.safetensors" or (max_bytes is not None and ref.nbytes > max_bytes):
+        if ref.key != f"{key}.safetensors":
             self.refused(key)
-            raise IntegrityError(f"object {key} in {self.url}: its commit points elsewhere or declares too many bytes")
-        data = self.get_bytes(ref.key, ref.sha256, max_bytes=ref.nbytes)
-        try:
-            return load_safetensors(data), meta, ref.nbytes + meta_bytes
-        except Exception:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
-            self.refused(key)
-            raise IntegrityError(f"object {key} in {self.url}: not a safetensors payload") from None
+            raise IntegrityError(f"object {key} in {self.url}: its commit points elsewhere")
+        return self.get_tensors(ref), meta, ref.nbytes + meta_bytes
 
 
 def canonical_json(body: dict) -> bytes:
@@ -523,7 +525,7 @@ def _verified_envelope(raw: bytes) -> dict | None:
 def _nesting_depth(raw: bytes) -> int:
     """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound)."""
     depth = deepest = 0
-    for byte in raw.translate(None, delete=bytes(b for b in range(256) if b not in b"[]{}")):
+    for byte in raw.translate(None, delete=_NOT_BRACKETS):
         depth += 1 if byte in b"[{" else -1
         deepest = max(deepest, depth)
     return deepest

@@ -200,7 +200,7 @@ class Learner:
 
     def _checkpoint(self, t: int, weights: torch.Tensor | None = None) -> None:
         tensors, meta = self.state.state_dict(self.pending, weights)
-        self.checkpoints.write(layout.checkpoint(self.slot.index, t), tensors, {**meta, "round": t})
+        self.checkpoints.write(t, tensors, {**meta, "round": t})
         self.checkpointed = t
 
     def inner_steps(self, round_index: int) -> float:

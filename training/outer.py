@@ -31,6 +31,9 @@ from pytorch_optimizer import ScalableShampoo
 from pytorch_optimizer.optimizer.utils.graft import LayerWiseGrafting
 from pytorch_optimizer.optimizer.utils.preconditioner import PreConditioner
 
+from training.messages import short
+
+
 class StateRejected(ValueError):
     """Saved optimizer state that does not fit the optimizer the spec builds; says which entry."""
 
@@ -91,7 +94,8 @@ class OuterOptimizer:
         """(tensors for safetensors, JSON scalars): everything the next step depends on."""
         tensors, scalars = {}, {"groups": [], "params": {}}
         for i, p in enumerate(self.params):
-            for path, value in _walk(self.optimizer.state.get(p, {})):
+            for path, slot in _slots(self.optimizer.state.get(p, {})):
+                value = slot.template
                 if torch.is_tensor(value):
                     tensors[f"{TENSOR_PREFIX}{i}.{path}"] = value.detach().clone().contiguous()
                 else:
@@ -116,7 +120,7 @@ class OuterOptimizer:
         updates = [(slots.get(key), key, value) for key, value in list(ours.items()) + list(params.items())]
         for slot, key, value in updates:
             if slot is None:
-                raise StateRejected(f"outer optimizer state: {_quoted(key)} is not an entry of a "
+                raise StateRejected(f"outer optimizer state: {short(key)} is not an entry of a "
                                     f"{type(self.optimizer).__name__}'s state")
             slot.check(key, value)
         for saved in groups:
@@ -186,25 +190,6 @@ def _init_pytorch_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
             p.grad = None
 
 
-def _walk(value, path: str = "") -> Iterator[tuple[str, object]]:
-    """(dotted path, leaf) for every tensor or number in a state entry: dicts, lists and the
-    library's state objects (their attributes)."""
-    join = (lambda key: f"{path}.{key}") if path else str
-    if torch.is_tensor(value) or isinstance(value, (int, float, bool)):
-        yield path, value
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            yield from _walk(item, join(key))
-    elif isinstance(value, (list, tuple)):
-        for j, item in enumerate(value):
-            if torch.is_tensor(item):
-                yield join(j), item
-    elif hasattr(value, "__dict__"):
-        for key, item in vars(value).items():
-            if torch.is_tensor(item) or (isinstance(item, list) and item and all(torch.is_tensor(t) for t in item)):
-                yield from _walk(item, join(key))
-
-
 class _Slot:
     """One leaf of a freshly built optimizer's state: where it sits and what it holds now."""
 
@@ -215,11 +200,11 @@ class _Slot:
         want = self.template
         if torch.is_tensor(want):
             if not torch.is_tensor(value) or value.dtype != want.dtype or value.shape != want.shape:
-                raise StateRejected(f"outer optimizer state: {_quoted(name)} must be {want.dtype} {tuple(want.shape)}")
+                raise StateRejected(f"outer optimizer state: {short(name)} must be {want.dtype} {tuple(want.shape)}")
             if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-                raise StateRejected(f"outer optimizer state: {_quoted(name)} holds non-finite values")
+                raise StateRejected(f"outer optimizer state: {short(name)} holds non-finite values")
         elif type(value) is not type(want) or (isinstance(value, float) and not math.isfinite(value)):
-            raise StateRejected(f"outer optimizer state: {_quoted(name)} must be a finite {type(want).__name__}")
+            raise StateRejected(f"outer optimizer state: {short(name)} must be a finite {type(want).__name__}")
 
     def assign(self, value) -> None:
         value = value.clone() if torch.is_tensor(value) else value
@@ -230,7 +215,9 @@ class _Slot:
 
 
 def _slots(value, path: str = "") -> Iterator[tuple[str, _Slot]]:
-    """(dotted path, slot) for every leaf `_walk` saves, found the same way in a freshly built state."""
+    """(dotted path, slot) for every tensor or number in a state entry: dicts, lists of tensors and the
+    library's state objects (their tensor attributes, and lists of them). `state` saves what it finds
+    here in the live optimizer, and `load_state` restores only into what it finds in a fresh one."""
     join = (lambda key: f"{path}.{key}") if path else str
     if isinstance(value, dict):
         for key, item in value.items():
@@ -248,9 +235,3 @@ def _slots(value, path: str = "") -> Iterator[tuple[str, _Slot]]:
                 yield join(key), _Slot(value, key, item)
             elif isinstance(item, list) and item and all(torch.is_tensor(t) for t in item):
                 yield from _slots(item, join(key))
-
-
-def _quoted(text: str) -> str:
-    """A name from a checkpoint, cut short: an error quotes it, and it could be any length."""
-    return repr(text[:60] + ("..." if len(text) > 60 else ""))
-

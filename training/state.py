@@ -21,8 +21,9 @@ from infra import layout
 from infra.store import IntegrityError, ObjectExists, ObjectMissing, ObjectStore, StoreError
 from training.events import emit
 from training.ledger import Ledger
-from training.params import flat_parameters, load_flat_parameters
+from training.messages import short
 from training.outer import StateRejected
+from training.params import flat_parameters, load_flat_parameters
 from training.retention import Retention, checkpoint_rounds
 from training.sync import Exchange, Exchanger
 
@@ -60,7 +61,7 @@ class LearnerState:
                 continue  # the outer optimizers' own check, below
             want = allowed.get(name)
             if want is None:
-                raise CheckpointRejected(f"checkpoint holds an unknown tensor {name[:60]!r}")
+                raise CheckpointRejected(f"checkpoint holds an unknown tensor {short(name)}")
             if value.dtype != torch.float32 or value.shape != want.shape:
                 raise CheckpointRejected(f"checkpoint tensor {name!r} is {value.dtype} {tuple(value.shape)}, "
                                          f"expected float32 {tuple(want.shape)}")
@@ -126,16 +127,17 @@ class Checkpointer:
     def __init__(self, store: ObjectStore, transport, ledger: Ledger, background: bool, retention: Retention):
         self.store, self.transport, self.ledger, self.background = store, transport, ledger, background
         self.retention = retention
-        self._in_flight: Future | None = None
+        self._in_flight: tuple[int, Future] | None = None  # (round, its commit on the transport thread)
 
-    def write(self, key: str, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """`tensors` must not change after this call (`LearnerState.state_dict`'s never do): in the
-        background they are written while training goes on."""
+    def write(self, round_index: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Commit the checkpoint of round `round_index`. `tensors` must not change after this call
+        (`LearnerState.state_dict`'s never do): in the background they are written while training goes on."""
+        key = layout.checkpoint(self.retention.learner, round_index)
         if not self.background:
-            self._committed(key, self._commit(key, tensors, meta))
+            self._committed(round_index, self._commit(key, tensors, meta))
             return
         self.finish()
-        self._in_flight = (key, self.transport.submit("checkpoint", self._commit, key, tensors, meta))
+        self._in_flight = (round_index, self.transport.submit("checkpoint", self._commit, key, tensors, meta))
 
     def _commit(self, key: str, tensors: dict[str, torch.Tensor], meta: dict) -> int:
         """Commit a checkpoint; one whose key something else took first is skipped (it costs a
@@ -157,13 +159,12 @@ class Checkpointer:
 
     def finish(self) -> None:
         if self._in_flight is not None:
-            (key, written), self._in_flight = self._in_flight, None
-            self._committed(key, written.result())
+            (round_index, written), self._in_flight = self._in_flight, None
+            self._committed(round_index, written.result())
 
-    def _committed(self, key: str, nbytes: int) -> None:
+    def _committed(self, round_index: int, nbytes: int) -> None:
         self.ledger.checkpoint_bytes += nbytes
-        newest = layout.checkpoint_rounds([f"{key}.json"])
-        self.ledger.objects_retired += self.retention.after_checkpoint(newest[0] if newest else None)
+        self.ledger.objects_retired += self.retention.after_checkpoint(round_index)
 
 
 class Lives:

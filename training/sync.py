@@ -332,26 +332,25 @@ class Exchanger:
         of this run (restored into throwaway ones, so this exchanger's own state is untouched)."""
         if not isinstance(scalars, dict):
             raise StateRejected("outer optimizer state: scalars are not an object")
-        fresh = [OuterOptimizer.from_spec(self.spec.sync.outer, [p.shape for p in f.outer.params]) for f in self.fragments]
-        if len(self.fragments) == 1:
-            fresh[0].load_state(tensors, scalars)
-            return
-        for fragment, outer in zip(self.fragments, fresh):
-            prefix = f"fragment-{fragment.number}."
-            outer.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
-                             scalars.get(f"fragment-{fragment.number}", {}))
+        for fragment, fragment_tensors, fragment_scalars in self._outer_states(tensors, scalars):
+            fresh = OuterOptimizer.from_spec(self.spec.sync.outer, [p.shape for p in fragment.outer.params])
+            fresh.load_state(fragment_tensors, fragment_scalars)
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], scalars: dict) -> None:
-        if len(self.fragments) == 1:
-            self.fragments[0].outer.load_state(tensors, scalars)
-        else:
-            for fragment in self.fragments:
-                prefix = f"fragment-{fragment.number}."
-                fragment.outer.load_state({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
-                                          scalars.get(f"fragment-{fragment.number}", {}))
+        for fragment, fragment_tensors, fragment_scalars in self._outer_states(tensors, scalars):
+            fragment.outer.load_state(fragment_tensors, fragment_scalars)
         self.feedback.load_state_tensors(tensors)
         for fragment in self.fragments:
             fragment.outer_state = fragment.outer.state()
+
+    def _outer_states(self, tensors: dict[str, torch.Tensor], scalars: dict):
+        """(fragment, its outer optimizer's tensors, its scalars) out of `state_dict`'s layout: the state
+        as is with one fragment, under `fragment-<n>.` prefixes and keys with several."""
+        if len(self.fragments) == 1:
+            return [(self.fragments[0], tensors, scalars)]
+        return [(fragment, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                 scalars.get(f"fragment-{fragment.number}", {}))
+                for fragment in self.fragments for prefix in [f"fragment-{fragment.number}."]]
 
     # -- on the transport thread ----------------------------------------------------------------
 
