@@ -28,11 +28,11 @@ from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
 from training.baseline import BaselinePlan, accumulate_gradients, baseline_lr, baseline_optimizer, shard_samplers
-from training.events import emit
-from training.inner import optimizer_step
-from training.model import build_model
-from training.params import flat_parameters, unflatten_into
-from training.schedule import learning_rate
+from training.learner.events import emit
+from training.model.inner import optimizer_step
+from training.model.gpt import build_model
+from training.model.params import flat_parameters, unflatten_into
+from training.model.schedule import learning_rate
 
 
 def all_reduce_gradients(model: torch.nn.Module) -> int:

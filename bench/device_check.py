@@ -28,7 +28,7 @@ from eval.evaluate import heldout_bpb
 from infra import layout
 from infra.spec import RunSpec, load_spec
 from infra.store import ObjectStore, run_store
-from training.ledger import read_summaries
+from training.learner.ledger import read_summaries
 
 PRECISIONS = ("fp32", "bf16")
 DEFAULT_STORE = ".gpu-check/store"
@@ -50,7 +50,7 @@ def check_spec(base: RunSpec, store_url: str, precision: str) -> RunSpec:
 
 
 def prepare(args) -> None:
-    from training.data import prepare_dataset  # the corpora's libraries, needed here only
+    from training.data.shards import prepare_dataset  # the corpora's libraries, needed here only
 
     base = load_spec(args.config)
     for precision in PRECISIONS:

@@ -21,11 +21,11 @@ import torch
 from infra import layout
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from training.data import prepare_dataset
-from training.streams import WindowSampler, read_stream
-from training.inner import inner_optimizer, optimizer_step
-from training.learner import Learner
-from training.model import build_model
+from training.data.shards import prepare_dataset
+from training.data.streams import WindowSampler, read_stream
+from training.model.inner import inner_optimizer, optimizer_step
+from training.learner.loop import Learner
+from training.model.gpt import build_model
 
 
 def bench_spec(store_url: str, batch: int, seq_len: int, steps: int):

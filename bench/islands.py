@@ -33,7 +33,7 @@ class Log:
 def new_run(spec: RunSpec, arm: str):
     """A fresh run in the spec's store with its spec and data; returns (run id, store, manifest)."""
     from infra import layout
-    from training.data import prepare_dataset
+    from training.data.shards import prepare_dataset
     run_id = f"{spec.name}-{arm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
     store = run_store(spec.store, run_id)
     store.put_json(layout.SPEC, spec.model_dump(mode="json"))

@@ -36,8 +36,8 @@ from infra import layout
 from infra.launch import LEARNER_MODULE
 from infra.spec import parse_spec
 from infra.store import run_store
-from training.data import prepare_dataset
-from training.ledger import read_summaries
+from training.data.shards import prepare_dataset
+from training.learner.ledger import read_summaries
 
 RESULTS = Path("bench/results")
 

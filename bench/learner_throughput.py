@@ -1,7 +1,7 @@
 """The learner path's tokens per second against standard training's: same cores, model, data and tokens.
 
 For each config, its learners train `--rounds` rounds as `archipelago plan --profile-run` runs them
-(`training.profile_run`: every learner its own OS process, all started together on this machine's
+(`training.planning.profile`: every learner its own OS process, all started together on this machine's
 cores, against a store in a local folder, everything of the round included: inner steps, exchange,
 outer step, checkpoints); their tokens per second are the tokens of every round after each learner's
 first, over the span of those rounds (`RunProfile.tokens_per_s`). Standard training
@@ -31,8 +31,8 @@ from infra import layout
 from infra.spec import RunSpec, load_spec
 from infra.store import run_store
 from training.baseline import train_baseline
-from training.data import prepare_dataset
-from training.profile_run import profile_run
+from training.data.shards import prepare_dataset
+from training.planning.profile import profile_run
 
 CONFIGS = ("configs/demo.yaml", "configs/brief.yaml")
 RESULTS = Path("bench/results/learner_throughput")
@@ -81,7 +81,7 @@ def markdown(results: dict) -> str:
     for r in results["runs"]:
         lines.append(f"| {r['config']} | {r['rounds']} | {r['learners']} ({r['processes']}) | "
                      f"{r['learner_path_tokens_per_s']:,.0f} | {r['standard_tokens_per_s']:,.0f} | {r['ratio']:.2f}x |")
-    lines += ["", "A round's mean seconds per island (`training.profile_run.ROUND_PARTS`):", ""]
+    lines += ["", "A round's mean seconds per island (`training.planning.profile.ROUND_PARTS`):", ""]
     for r in results["runs"]:
         for island, parts in r["round_parts_s"].items():
             lines.append(f"- {r['config']}, {island}: " + ", ".join(f"{k} {v:.3f}" for k, v in parts.items()))

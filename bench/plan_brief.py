@@ -1,7 +1,7 @@
 """The brief's run on paper: what each transport setting gets on its link, and the link it needs.
 
 Plans `configs/plan-brief-32b.yaml` (32B-total MoE, 8 learners on a GB300 and a B300 island) under
-several settings of `sync.transport` with the planner (`training/planner.py`), at the step times
+several settings of `sync.transport` with the planner (`training/planning/planner.py`), at the step times
 the config's comments derive, and writes `bench/results/plan_brief.{json,md}`. Then sets the
 planner against Streaming DiLoCo's published simulation (arXiv 2501.18512, Table 4: a 1B model at
 0.1 s per step, two workers, H = 100): the bandwidth per-step data parallelism and 4-bit streaming
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 from infra.spec import load_spec, parse_spec
-from training.planner import plan_run
+from training.planning.planner import plan_run
 
 CONFIG = "configs/plan-brief-32b.yaml"
 STEP_SECONDS = {"gb300": 0.27, "b300": 0.22}

@@ -46,9 +46,9 @@ from infra import layout
 from infra.spec import RunSpec, parse_spec
 from infra.store import run_store
 from training.baseline import BaselinePlan, train_baseline
-from training.data import prepare_dataset
-from training.ledger import read_summaries
-from training.model import build_model
+from training.data.shards import prepare_dataset
+from training.learner.ledger import read_summaries
+from training.model.gpt import build_model
 
 RESULTS = Path("bench/results/quality")
 SEEDS = (0, 1, 2)

@@ -5,8 +5,8 @@ through the store, measured per learner and round beside the planner's predictio
 
 Every arm is a tiny model (`SCALING` below) on two islands of N/2 learners each, every learner its own
 OS process (`bench.islands.train_islands`), all talking to one SeaweedFS S3 server on loopback that
-the bench starts and stops. What a learner's transport counted (`infra.transport.LinkCounters`, in
-its summary) is set beside what `training.planner.replay` predicts for the same spec:
+the bench starts and stops. What a learner's transport counted (`training.exchange.transport.LinkCounters`, in
+its summary) is set beside what `training.planning.planner.replay` predicts for the same spec:
 
 * requests: PUTs and GETs of message objects and commits. Fixed by the schedule and message sizes,
   so predicted exactly.
@@ -66,8 +66,8 @@ def per_learner_round(totals: list[float], rounds: int) -> float:
 
 def measure(spec, log: Log) -> dict:
     """Train the arm's learners; their counters per learner and round, and the planner's."""
-    from training.ledger import read_summaries
-    from training.planner import replay
+    from training.learner.ledger import read_summaries
+    from training.planning.planner import replay
 
     run_id, store, _ = new_run(spec, "scaling")
     began = time.monotonic()
@@ -131,7 +131,7 @@ def table_markdown(arms: list[dict], figure: str = "scaling.png") -> str:
     """The table, then the figure at `figure` (a link relative to where the Markdown lands)."""
     lines = ["# Exchange cost per learner and round against the number of learners", "",
              "Measured: the learners' own transport counters (`python -m bench.scaling`). Planned: "
-             "`training.planner.replay` for the same spec. Polls are planned at one per message read (a floor). "
+             "`training.planning.planner.replay` for the same spec. Polls are planned at one per message read (a floor). "
              "Seconds syncing: measured is the round loop's wait on the exchange, planned is time blocked on the "
              "link with the arm's own step times (neither store latency nor shared cores are modelled).", "",
              "| sync | N | requests (measured / planned) | polls (measured / planned) | bytes written | "

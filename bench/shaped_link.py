@@ -154,7 +154,7 @@ def calibrate_step_seconds(spec, repeats: int = 5) -> float:
     over its steps), with the threads each of its ranks gets."""
     import torch
     from training.baseline import BaselinePlan, baseline_optimizer
-    from training.model import build_model
+    from training.model.gpt import build_model
 
     torch.set_num_threads(dp_threads(len(spec.islands)))
     model = build_model(spec)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = next(iter(specs.values()))
     warm_data_cache(specs.values())  # the namespaces have no route to the package index
 
-    from training.model import build_model
+    from training.model.gpt import build_model
     parameters = build_model(reference).parameter_counts()["total"]
     step_seconds = calibrate_step_seconds(reference)
     matched = dp_matched_rate_bps(parameters * FP32, step_seconds)
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def warm_data_cache(specs) -> None:
-    from training.corpora import shakespeare_files
+    from training.data.corpora import shakespeare_files
     if any(c.source == "shakespeare" for spec in specs for c in spec.data.corpora):
         shakespeare_files()
 
@@ -350,9 +350,9 @@ def drive(job: dict) -> int:
 
 def predict(spec, rate_bps: float, store: dict) -> dict:
     """The planner's figures for an islands arm, from a profiling run of its learners here, against
-    `store` at local speed, before any run on the link (`training.profile_run`)."""
-    from training.planner import plan_run
-    from training.profile_run import profile_run
+    `store` at local speed, before any run on the link (`training.planning.profile`)."""
+    from training.planning.planner import plan_run
+    from training.planning.profile import profile_run
 
     profile = profile_run(spec, store)
     planned = plan_run(spec, profile.step_seconds, rate_bps, profile.startup_s, profile.round_overhead_s,
@@ -366,7 +366,7 @@ def predict(spec, rate_bps: float, store: dict) -> dict:
 def predict_standard(spec, rate_bps: float, step_seconds: float, islands_prediction: dict) -> dict:
     """The planner's figures for the per-step all-reduce arm: the step calibrated before the link went
     up, and the islands' profiled start-up and teardown (the same imports, spec and shards)."""
-    from training.planner import plan_data_parallel
+    from training.planning.planner import plan_data_parallel
 
     profile = islands_prediction["profile"]
     planned = plan_data_parallel(spec, step_seconds, rate_bps, profile["startup_s"], profile["teardown_s"])
@@ -454,8 +454,8 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
     from tasks.segments import run_segment
     from training.baseline import BaselinePlan
     from training.consolidate import consolidate
-    from training.ledger import read_summaries
-    from training.model import build_model
+    from training.learner.ledger import read_summaries
+    from training.model.gpt import build_model
 
     run_id, store, manifest = new_run(spec, arm)
     shard_bytes = {s["learner"]: s["object"]["nbytes"] for s in manifest["shards"]}

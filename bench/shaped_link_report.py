@@ -114,7 +114,7 @@ def planned_markdown(document: dict) -> list[str]:
     """The planner against each arm's runs: utilisation and wall time (target: within 10% of the
     measured median) and inter-island exchange bytes (within 2% of the learners' counts)."""
     arms = {name: arm for name, arm in document["arms"].items() if "predicted" in arm}
-    lines = ["Planned (`training/planner.py`: the islands' arms from a profiling run of their own learners before "
+    lines = ["Planned (`training/planning/planner.py`: the islands' arms from a profiling run of their own learners before "
              "the runs, `plan_run`; standard from the step calibrated before the link went up, `plan_data_parallel`) "
              "against measured (median of the runs; per run in brackets):", "",
              "| arm | utilisation planned / measured | wall s planned / measured | inter-island exchange bytes "

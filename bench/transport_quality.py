@@ -25,8 +25,8 @@ from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
 from training.baseline import BaselinePlan
-from training.ledger import read_summaries
-from training.model import build_model
+from training.learner.ledger import read_summaries
+from training.model.gpt import build_model
 
 
 def measure(store: ObjectStore, run_id: str) -> dict:

@@ -40,7 +40,7 @@ from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore, refused_in_process
 from infra.stores import open_run
-from training.ledger import read_summaries
+from training.learner.ledger import read_summaries
 
 RESULT = Path("bench/results/trust_drill.json")
 KEY_VARIABLES = {CONTROL: "DRILL_SIGNING_KEY_CONTROL", "east": "DRILL_SIGNING_KEY_EAST", "west": "DRILL_SIGNING_KEY_WEST"}

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from training.model import BOS
+from training.model.gpt import BOS
 
 
 @torch.no_grad()

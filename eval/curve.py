@@ -16,11 +16,11 @@ from infra.derived import read_derived
 from infra.spec import RunSpec
 from infra.store import IntegrityError
 from infra.stores import RunStores
-from training.streams import read_stream
-from training.mixing import weighted_mean
-from training.model import build_model
-from training.params import load_flat_parameters
-from training.schedule import curve_rounds
+from training.data.streams import read_stream
+from training.exchange.mixing import weighted_mean
+from training.model.gpt import build_model
+from training.model.params import load_flat_parameters
+from training.model.schedule import curve_rounds
 
 CURVE_EVAL_BYTES = 16_384
 

@@ -6,9 +6,9 @@ from infra import layout
 from infra.derived import read_derived
 from infra.spec import RunSpec
 from eval.bpb import bits_per_byte
-from training.streams import read_stream
-from training.model import build_model
-from training.params import load_flat_parameters
+from training.data.streams import read_stream
+from training.model.gpt import build_model
+from training.model.params import load_flat_parameters
 
 
 def load_model(spec: RunSpec, store, key: str):

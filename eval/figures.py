@@ -13,8 +13,8 @@ import matplotlib.dates as mdates  # noqa: E402 - the backend must be chosen fir
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from training.ledger import LearnerSummary  # noqa: E402
-from training.plan_windows import rounds_text  # noqa: E402
+from training.learner.ledger import LearnerSummary  # noqa: E402
+from training.planning.windows import rounds_text  # noqa: E402
 
 ARM_COLOURS = {"islands": "tab:blue", "standard": "tab:orange"}
 
@@ -80,7 +80,7 @@ def utilisation(summaries: list[LearnerSummary]) -> bytes:
 
 
 def windows_timeline(windows: dict) -> bytes:
-    """A windows plan (`training.plan_windows.windows_plan`): one row per island, its capacity windows
+    """A windows plan (`training.planning.windows.windows_plan`): one row per island, its capacity windows
     as bars with the rounds planned in each, and hatched where its learners wait on another island."""
     origin = datetime.fromisoformat(windows["origin"])
     islands = list(dict.fromkeys(row["island"] for row in windows["rows"]))

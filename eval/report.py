@@ -8,7 +8,7 @@ from eval.bootstrap import paired_bootstrap
 from infra import layout
 from infra.fault_spec import CorruptObject
 from infra.spec import RunSpec
-from training.ledger import LearnerSummary
+from training.learner.ledger import LearnerSummary
 
 FP32 = 4
 

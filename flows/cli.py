@@ -129,7 +129,7 @@ def prepare(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from training.data import prepare_dataset
+    from training.data.shards import prepare_dataset
 
     run_id = f"prepare-{spec.name}-{secrets.token_hex(8)}"
     try:
@@ -158,8 +158,8 @@ def plan(args: argparse.Namespace) -> int:
     if spec is None:
         return 2
     from tasks.planning import plan_markdown, windows_markdown
-    from training.plan_windows import WindowsTooShort
-    from training.planner import complete_step_seconds, plan_run
+    from training.planning.windows import WindowsTooShort
+    from training.planning.planner import complete_step_seconds, plan_run
 
     given = {}
     for item in args.step_seconds:
@@ -179,7 +179,7 @@ def plan(args: argparse.Namespace) -> int:
         return 2
     overheads = {}
     if args.profile_run:
-        from training.profile_run import profile_run
+        from training.planning.profile import profile_run
 
         profile = profile_run(spec)
         step_seconds, ready_s = {**profile.step_seconds, **given}, profile.startup_s

@@ -65,7 +65,7 @@ def plan(spec: RunSpec, link_gbps: float = 25.0, step_seconds: dict[str, float] 
     capacity windows, the rounds each window holds and the waits on other islands (`plan-windows`,
     `plan-timeline`). Islands missing from `step_seconds` are profiled on the worker that runs this flow."""
     from tasks.planning import publish_plan
-    from training.planner import complete_step_seconds
+    from training.planning.planner import complete_step_seconds
 
     given, _ = complete_step_seconds(spec, step_seconds or {})
     return publish_plan(spec, given, link_gbps * 1e9, key="plan",

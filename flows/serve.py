@@ -201,7 +201,7 @@ def lifecycle_description(spec: RunSpec, now: datetime) -> str:
     """The `lifecycle` deployment's description: with capacity windows, when its schedule starts the
     run and which island trains when, which its RRule alone does not say."""
     from tasks.planning import windows_table
-    from training.plan_windows import window_rows
+    from training.planning.windows import window_rows
 
     description = "Start an Archipelago run: its parameters form is the run spec."
     if not any(island.windows for island in spec.islands):

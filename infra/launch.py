@@ -44,7 +44,7 @@ WINDOW_CLOSED = 75
 # Every learner process starts as `python -m infra.launch MODULE ARGS...` (see `main`).
 GUARDED = [sys.executable, "-m", "infra.launch"]
 TORCHRUN = "torch.distributed.run"
-LEARNER_MODULE = "training.process"
+LEARNER_MODULE = "training.learner.process"
 LOOPBACK_RENDEZVOUS = "archipelago-loopback"
 # The pid a guarded process must find as its parent; each guarded process sets it to its own for its children.
 PARENT_PID = "ARCHIPELAGO_PARENT_PID"

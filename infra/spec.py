@@ -112,7 +112,7 @@ class ModelSpec(SpecModel):
     moe: MoESpec | None = Field(None, description="Sparse mixture-of-experts feed-forward; dense when absent.")
 
     def parameter_count(self, max_seq_len: int) -> int:
-        """The parameters of training/model.py's ByteGPT of this shape (embeddings tied with the head)."""
+        """The parameters of training/model/gpt.py's ByteGPT of this shape (embeddings tied with the head)."""
         width, vocab = self.width, 257
         ffn = 8 * width * width if self.moe is None else self.moe.experts * (8 * width * width + width)
         block = 4 * width * width + 4 * width + ffn  # attention, two layer norms, feed-forward

@@ -355,7 +355,7 @@ class ObjectStore:
     def retire(self, key: str, listed: list[str] | None = None) -> int:
         """Remove a committed object for good: its JSON commit first, so that no reader finds it half
         there, then what the commit names (tensors, or a message's parts). Only state nothing will read
-        again is retired (see training/retention.py): a retired key is never written again. `listed`:
+        again is retired (see training/learner/retention.py): a retired key is never written again. `listed`:
         keys of the object's folder, when the caller has them. Returns the objects removed."""
         folder = key.rpartition("/")[0]
         siblings = listed if listed is not None else self.list(folder)

@@ -7,7 +7,7 @@ from prefect import get_run_logger
 from infra.spec import RunSpec
 from infra.stores import open_run
 from tasks.stage import stage
-from training.data import prepare_dataset
+from training.data.shards import prepare_dataset
 
 
 @stage("prepare-data")

@@ -10,9 +10,9 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 
 from eval.figures import data_url, windows_timeline
 from infra.spec import RunSpec
-from training.ledger import LearnerSummary
-from training.plan_windows import WindowsTooShort, rounds_text, without_windows
-from training.planner import plan_run
+from training.learner.ledger import LearnerSummary
+from training.planning.windows import WindowsTooShort, rounds_text, without_windows
+from training.planning.planner import plan_run
 
 UNLIMITED_BPS = 1e18
 
@@ -43,7 +43,7 @@ def plan_markdown(result: dict, measured: dict | None = None) -> str:
 
 
 def windows_table(rows: list[dict]) -> str:
-    """Capacity windows by island as a Markdown table (`training.plan_windows.window_rows`), with the
+    """Capacity windows by island as a Markdown table (`training.planning.windows.window_rows`), with the
     rounds planned and the waits when the rows come from a plan."""
     planned = "rounds" in rows[0]
     head = ["island", "window", "start", "end", "timezone"] + \
@@ -63,7 +63,7 @@ def _wall_clock(moment: str | None) -> str:
 
 
 def windows_markdown(windows: dict) -> str:
-    """A windows plan (`training.plan_windows.windows_plan`) as Markdown: the table, and what the
+    """A windows plan (`training.planning.windows.windows_plan`) as Markdown: the table, and what the
     learners do instead of a wait longer than they wait for a partner."""
     lines = ["**Capacity windows: the rounds planned in each, and the mean seconds each island's learners "
              "wait there on another island (its compute, its windows, or the link)**", "",

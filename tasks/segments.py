@@ -27,7 +27,7 @@ from infra.launch import LearnersStopped, stopped_because
 from infra.spec import RunSpec
 from infra.stores import RunStores, open_run
 from tasks.stage import stage
-from training.ledger import finished
+from training.learner.ledger import finished
 
 SEGMENT_FLOW = "segment"
 

@@ -18,9 +18,9 @@ from infra.stores import RunStores, foreign_writer_credentials, open_run
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
 from training.baseline import train_baseline
-from training import events
+from training.learner import events
 from training.consolidate import consolidate
-from training.ledger import finished
+from training.learner.ledger import finished
 
 
 # Rounds can take well under a second; each progress update and each batch of log lines is a request

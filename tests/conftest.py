@@ -11,8 +11,8 @@ from infra import layout
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from training.corpora import DATA_ROOT_ENV
-from training.data import prepare_dataset
+from training.data.corpora import DATA_ROOT_ENV
+from training.data.shards import prepare_dataset
 from tests.corpora import corpus_folder
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -4,7 +4,7 @@ stores a test's tmp_path holds, which no data root may hold."""
 import os
 from pathlib import Path
 
-from training.corpora import DATA_ROOT_ENV
+from training.data.corpora import DATA_ROOT_ENV
 
 
 def corpus_folder(tmp_path: Path) -> Path:

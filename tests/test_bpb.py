@@ -3,7 +3,7 @@ import math
 import torch
 
 from eval.bpb import bits_per_byte
-from training.model import BOS, VOCAB
+from training.model.gpt import BOS, VOCAB
 
 
 class FixedModel(torch.nn.Module):

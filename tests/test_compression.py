@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from training.compression import Codec, ErrorFeedback, decode_field
+from training.exchange.compression import Codec, ErrorFeedback, decode_field
 
 
 def sample(n=1000, seed=0):

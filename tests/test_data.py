@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from training.corpora import Document
-from training.data import encode, shard_documents, split_documents, split_validation
-from training.streams import text_bytes
-from training.model import BOS
+from training.data.corpora import Document
+from training.data.shards import encode, shard_documents, split_documents, split_validation
+from training.data.streams import text_bytes
+from training.model.gpt import BOS
 
 
 def docs(n):

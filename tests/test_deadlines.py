@@ -19,12 +19,12 @@ import pytest
 from infra.retry import RetryPolicy
 from infra.spec import parse_spec
 from infra.store import ObjectStore, StoreUnavailable
-from infra.transport import Transport
+from training.exchange.transport import Transport
 from infra.watchdog import STALLED, Watchdog
-from training.model import build_model
-from training.params import flat_parameters
-from training.state import Lives
-from training.sync import Exchanger
+from training.model.gpt import build_model
+from training.model.params import flat_parameters
+from training.learner.state import Lives
+from training.exchange.exchanger import Exchanger
 
 BYTE_EVERY_S = 2.0
 NO_SUCH_KEY = (b'<?xml version="1.0" encoding="UTF-8"?>\n'

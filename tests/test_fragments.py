@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from infra.spec import SpecError, parse_spec
-from training.fragments import FragmentLayout, exchange_count, fragment_of_round
-from training.params import flat_parameters
-from training.mixing import butterfly_partner, stage_count
-from training.model import ByteGPT, GPTConfig
+from training.exchange.fragments import FragmentLayout, exchange_count, fragment_of_round
+from training.model.params import flat_parameters
+from training.exchange.mixing import butterfly_partner, stage_count
+from training.model.gpt import ByteGPT, GPTConfig
 
 
 def model(layers=4):

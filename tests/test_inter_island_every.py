@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from infra.spec import SpecError, load_spec, parse_spec
-from training.fragments import exchange_count
-from training.mixing import stage_count
-from training.sync import Butterfly
+from training.exchange.fragments import exchange_count
+from training.exchange.mixing import stage_count
+from training.exchange.exchanger import Butterfly
 
 BRIEF = Path(__file__).resolve().parents[1] / "configs" / "brief.yaml"
 

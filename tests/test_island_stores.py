@@ -19,8 +19,8 @@ from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore, StoreError, run_store
 from infra.stores import RunStores, check_stores_reachable
-from training.data import prepare_dataset
-from training.ledger import read_summaries
+from training.data.shards import prepare_dataset
+from training.learner.ledger import read_summaries
 from tests.corpora import corpus_folder
 
 

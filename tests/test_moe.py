@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from training.model import MoE, ByteGPT, GPTConfig
+from training.model.gpt import MoE, ByteGPT, GPTConfig
 
 WIDTH, EXPERTS = 16, 4
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load, save
 
 from infra.spec import OuterOptimizerSpec
-from training.outer import OuterOptimizer
+from training.exchange.outer import OuterOptimizer
 
 # Matrices above the default block size (512 elements), which Shampoo would flatten into vectors.
 SHAPES = [torch.Size([40, 24]), torch.Size([24]), torch.Size([16, 40])]
@@ -45,7 +45,7 @@ def test_state_round_trips_through_safetensors_and_json(name):
 def test_the_symmetric_inverse_root_is_the_svd_s(batch):
     from pytorch_optimizer.optimizer.utils.matrix import compute_power_svd
 
-    from training.outer import symmetric_inverse_root
+    from training.exchange.outer import symmetric_inverse_root
     g = torch.randn(*batch, 48, 20, generator=torch.Generator().manual_seed(0))
     statistics = g @ g.mT + 1e-3 * torch.eye(48)  # rank-deficient before the ridge, as Shampoo's are
     root = symmetric_inverse_root(statistics, 4)

@@ -12,8 +12,8 @@ from eval.figures import windows_timeline
 from flows.cli import main
 from infra.spec import parse_spec
 from tasks.planning import windows_markdown
-from training.plan_windows import WindowsTooShort
-from training.planner import plan_run, replay
+from training.planning.windows import WindowsTooShort
+from training.planning.planner import plan_run, replay
 
 STEPS = {"east": 1.0, "west": 2.0}  # both islands run 10 inner steps a round: 10 s and 20 s per round
 

@@ -9,10 +9,10 @@ import torch
 from flows.cli import main
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from infra.transport import Transport
-from training.compression import Codec
-from training.planner import bandwidth_for, fragment_sizes, message_bytes, message_requests, plan_run, replay
-from training.sync import SYNC_MODES
+from training.exchange.transport import Transport
+from training.exchange.compression import Codec
+from training.planning.planner import bandwidth_for, fragment_sizes, message_bytes, message_requests, plan_run, replay
+from training.exchange.exchanger import SYNC_MODES
 
 
 def spec_of(mode="butterfly", fragments=1, tau=0, compression="none", islands=2, learners=2, rounds=6, steps=(4, 2)):
@@ -84,8 +84,8 @@ def test_plans_count_a_message_s_requests_for_its_writer_and_each_reader():
 
 
 def test_fragments_cover_the_model_as_the_learners_split_it():
-    from training.fragments import FragmentLayout
-    from training.model import build_model
+    from training.exchange.fragments import FragmentLayout
+    from training.model.gpt import build_model
     spec = spec_of(fragments=2)
     assert fragment_sizes(spec) == FragmentLayout.build(build_model(spec), 2).sizes
 
@@ -159,7 +159,7 @@ def test_the_plan_flow_publishes_the_plan_as_an_artifact(prefect_api):
 
 def test_data_parallel_waits_for_the_whole_gradient_each_step():
     from training.baseline import BaselinePlan
-    from training.planner import plan_data_parallel
+    from training.planning.planner import plan_data_parallel
     spec = spec_of()
     parameters = sum(fragment_sizes(spec))
     # Two ranks: a ring sends the whole fp32 gradient each way, 32 bits a parameter; at this rate 0.1 s.
@@ -185,7 +185,7 @@ def test_a_profiled_round_overhead_and_start_and_end_add_to_the_plan():
 
 def test_a_profile_is_read_from_round_ends_and_per_round_compute():
     from types import SimpleNamespace
-    from training.profile_run import summarise
+    from training.planning.profile import summarise
     spec = spec_of(steps=(4, 2), learners=1, rounds=3)
     def rounds(compute, checkpoint_s):
         return [{"compute_s": c, "sync_s": 0.05, "checkpoint_s": checkpoint_s} for c in compute]

@@ -5,10 +5,10 @@ import torch
 from infra import layout
 from infra.spec import parse_spec
 from tests.learners import run_both
-from training.inner import forward_precision
-from training.learner import Learner
-from training.model import build_model
-from training.params import flat_parameters
+from training.model.inner import forward_precision
+from training.learner.loop import Learner
+from training.model.gpt import build_model
+from training.model.params import flat_parameters
 
 
 def test_bf16_forward_runs_in_bf16_and_stays_close_to_fp32():

@@ -9,10 +9,10 @@ from eval.report import fault_report
 from infra import layout
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from training.data import prepare_dataset
-from training.learner import Learner
-from training.ledger import read_summaries
-from training.params import flat_parameters
+from training.data.shards import prepare_dataset
+from training.learner.loop import Learner
+from training.learner.ledger import read_summaries
+from training.model.params import flat_parameters
 from tests.corpora import corpus_folder
 
 

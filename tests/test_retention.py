@@ -10,12 +10,12 @@ from infra import layout
 from infra.derived import commit_derived
 from infra.store import ObjectStore
 from tests.learners import run_both
-from training.learner import Learner
-from training.ledger import Ledger
-from training.params import flat_parameters
-from training.retention import Retention
-from training.schedule import curve_rounds
-from training.state import Checkpointer
+from training.learner.loop import Learner
+from training.learner.ledger import Ledger
+from training.model.params import flat_parameters
+from training.learner.retention import Retention
+from training.model.schedule import curve_rounds
+from training.learner.state import Checkpointer
 
 
 def commit_round(store: ObjectStore, learner: int, t: int, checkpoint: bool = True) -> None:

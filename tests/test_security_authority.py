@@ -14,20 +14,20 @@ from infra.derived import commit_derived, read_derived
 from infra.spec import OuterOptimizerSpec, parse_spec
 from infra.store import IntegrityError, ObjectStore, ObjectTooLarge, json_document
 from infra.stores import RunStores
-from training.data import prepare_dataset
-from training.learner import Learner
-from training.ledger import finished, read_summaries
-from training.outer import OuterOptimizer, StateRejected
-from training.params import flat_parameters
-from training.retention import Retention
-from training.state import CheckpointRejected, Lives
+from training.data.shards import prepare_dataset
+from training.learner.loop import Learner
+from training.learner.ledger import finished, read_summaries
+from training.exchange.outer import OuterOptimizer, StateRejected
+from training.model.params import flat_parameters
+from training.learner.retention import Retention
+from training.learner.state import CheckpointRejected, Lives
 from tests.corpora import corpus_folder
 
 
 @pytest.fixture
 def signed_run(tmp_path, monkeypatch):
     """A run of two one-learner islands with keys: the control plane's store and each island's, as
-    each of them signs; learners in this process, as `training.process` builds them."""
+    each of them signs; learners in this process, as `training.learner.process` builds them."""
     corpus = corpus_folder(tmp_path)
     for i in range(6):
         (corpus / f"doc{i}.txt").write_text(f"document {i} " * 400)

@@ -23,7 +23,7 @@ from tests.corpora import corpus_folder
 from tests.test_lifecycle import TINY
 from tests.test_security_processes import learner_pids
 from tests.test_ui import free_port
-from training.data import prepare_dataset
+from training.data.shards import prepare_dataset
 
 RUN_TIMEOUT_S = 300
 

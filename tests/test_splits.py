@@ -8,9 +8,9 @@ from bench.quality import FAMILIES, base_spec
 from flows.cli import main
 from infra.spec import parse_spec
 from infra.store import ObjectStore
-from training.corpora import Document
+from training.data.corpora import Document
 from tests.corpora import corpus_folder
-from training.data import group_near_duplicates, prepare_dataset, split_documents, split_validation, token_shingles
+from training.data.shards import group_near_duplicates, prepare_dataset, split_documents, split_validation, token_shingles
 
 WORDS = [f"w{i}" for i in range(3000)]
 

@@ -10,8 +10,8 @@ import torch
 
 from infra import layout
 from tests.learners import run_both
-from training.learner import Learner
-from training.params import flat_parameters
+from training.learner.loop import Learner
+from training.model.params import flat_parameters
 
 
 @pytest.fixture

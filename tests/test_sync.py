@@ -12,9 +12,9 @@ import torch
 
 from infra.spec import parse_spec
 from infra.store import ObjectExists
-from training.model import build_model
-from training.params import flat_parameters
-from training.sync import Exchanger
+from training.model.gpt import build_model
+from training.model.params import flat_parameters
+from training.exchange.exchanger import Exchanger
 
 
 class FakeTransport:

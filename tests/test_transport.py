@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from infra.store import ObjectExists, ObjectStore
-from infra.transport import LinkBudget, Transport
+from training.exchange.transport import LinkBudget, Transport
 
 
 class FakeClock:
@@ -142,7 +142,7 @@ def test_counters_survive_a_restart_through_their_report(tmp_path):
 
 def test_report_sums_link_classes_and_gives_bytes_per_round_of_each_fragment():
     from eval.report import fragment_bytes, link_classes
-    from training.ledger import LearnerSummary
+    from training.learner.ledger import LearnerSummary
 
     summaries = [LearnerSummary(
                      fragment_sizes=[10, 8],

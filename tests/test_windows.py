@@ -10,8 +10,8 @@ from infra.launch import LearnerProcess, run_learner
 from infra.spec import SpecError, check_windows_ahead, parse_spec, spec_sha256
 from infra.store import ObjectStore
 from tests.test_lifecycle import TINY
-from training.data import prepare_dataset
-from training.learner import Learner
+from training.data.shards import prepare_dataset
+from training.learner.loop import Learner
 
 NOW = datetime(2026, 12, 2, 12, 0, tzinfo=timezone.utc)
 

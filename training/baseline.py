@@ -18,11 +18,11 @@ from infra import layout
 from infra.derived import commit_derived
 from infra.spec import RunSpec
 from infra.stores import RunStores
-from training.streams import WindowSampler, read_stream
-from training.inner import inner_optimizer, optimizer_step
-from training.model import build_model
-from training.params import flat_parameters
-from training.schedule import learning_rate, snapshot_steps
+from training.data.streams import WindowSampler, read_stream
+from training.model.inner import inner_optimizer, optimizer_step
+from training.model.gpt import build_model
+from training.model.params import flat_parameters
+from training.model.schedule import learning_rate, snapshot_steps
 
 
 def rows_at_step(step: int, steps: int, rows: int) -> int:

@@ -9,7 +9,7 @@ from infra.derived import commit_derived
 from infra.spec import RunSpec
 from infra.store import IntegrityError
 from infra.stores import RunStores
-from training.mixing import weighted_mean
+from training.exchange.mixing import weighted_mean
 
 
 def consolidate(spec: RunSpec, store) -> dict:

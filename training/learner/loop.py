@@ -1,14 +1,14 @@
 """One learner: a model replica that trains on its shard and talks to other learners only
 through the object store.
 
-Each learner is its own OS process (`training.process`), or a `torchrun` group of processes
+Each learner is its own OS process (`training.learner.process`), or a `torchrun` group of processes
 when it is data-parallel over several. Rank 0 owns all store traffic; the other ranks only
 compute, and receive each round's new weights by broadcast.
 
 A round: H AdamW steps from the anchor, then this round's fragment goes to the exchanger
-(`training.sync`), which sends and receives on the transport thread while the next round
+(`training.exchange.exchanger`), which sends and receives on the transport thread while the next round
 computes; the exchange is applied `sync.transport.tau` inner steps later (at once with tau 0).
-Then a checkpoint of the whole state (`training.state`), an exchange in flight included, so a
+Then a checkpoint of the whole state (`training.learner.state`), an exchange in flight included, so a
 restarted learner resumes from it and applies that exchange exactly once; after the rounds the bpb
 curve scores, the weights alone as well, which outlive the round's checkpoint. A learner stops
 before a round that would not end inside its capacity window; the next window's segment resumes it.
@@ -29,19 +29,19 @@ from infra import layout, watchdog
 from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
 from infra.stores import RunStores
-from infra.transport import Transport
+from training.exchange.transport import Transport
 from infra.windows import round_fits
-from training.streams import WindowSampler, read_stream
-from training.events import emit
-from training.faults import LearnerFaults
-from training.inner import average_gradients, forward_precision, inner_optimizer, optimizer_step
-from training.ledger import Ledger, LearnerSummary, write_summary
-from training.model import build_model
-from training.params import flat_of, flat_parameters, unflatten_into
-from training.retention import Retention
-from training.schedule import curve_rounds, learning_rate
-from training.state import Checkpointer, LearnerState, Lives, choose_resume_point, own_ledger
-from training.sync import Exchange, Exchanger, partner_wait_s
+from training.data.streams import WindowSampler, read_stream
+from training.learner.events import emit
+from training.learner.faults import LearnerFaults
+from training.model.inner import average_gradients, forward_precision, inner_optimizer, optimizer_step
+from training.learner.ledger import Ledger, LearnerSummary, write_summary
+from training.model.gpt import build_model
+from training.model.params import flat_of, flat_parameters, unflatten_into
+from training.learner.retention import Retention
+from training.model.schedule import curve_rounds, learning_rate
+from training.learner.state import Checkpointer, LearnerState, Lives, choose_resume_point, own_ledger
+from training.exchange.exchanger import Exchange, Exchanger, partner_wait_s
 
 
 class LearnerDiverged(RuntimeError):
@@ -90,7 +90,7 @@ class Learner:
 
         A learner's first life starts from the run's initial weights, however late it starts: its
         peers' progress is no reason to skip its own share of the compute. A later life resumes
-        where `training.state.choose_resume_point` says. Rank 0 decides and tells the other ranks,
+        where `training.learner.state.choose_resume_point` says. Rank 0 decides and tells the other ranks,
         so a torchrun group never splits between two states.
         """
         point = None

@@ -1,15 +1,15 @@
 """The exchange: what a learner sends its peers at the end of a round, what it takes from theirs,
 and how both become the fragment's next anchor.
 
-Each round exchanges one fragment (`training.fragments`). The learner hands the `Exchanger` its
+Each round exchanges one fragment (`training.exchange.fragments`). The learner hands the `Exchanger` its
 weights; the exchanger takes the fragment's pseudo-gradient Δ = θ − x against the fragment's
 anchor θ, and on the transport thread commits the message (compressed with error feedback when
-the codec is lossy), then fetches and validates each peer's (`training.messages`), mixes them (the
+the codec is lossy), then fetches and validates each peer's (`training.exchange.messages`), mixes them (the
 sync mode) and takes the fragment's outer optimizer step, all while the learner goes on computing.
 `tau` inner steps later the learner applies the exchange: the fragment moves to the new anchor plus
 the local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)).
 
-The exchanger talks to the store only through its transport (`infra.transport.Transport`:
+The exchanger talks to the store only through its transport (`training.exchange.transport.Transport`:
 `submit`, `put_message`, `get_message`, `wait_for_message`), so it is tested against a fake one.
 """
 
@@ -25,13 +25,13 @@ import torch
 from infra import layout, watchdog
 from infra.spec import LearnerSlot, RunSpec
 from infra.store import IntegrityError, ObjectExists, StoreError, calls_end_by
-from infra.transport import MalformedMessage
-from training.compression import Codec, ErrorFeedback
-from training.events import emit
-from training.fragments import FragmentLayout, exchange_count, fragment_of_round
-from training.messages import ExpectedMessage, MessageRejected, accept_message, check_bounds
-from training.mixing import butterfly_partner, crosses_islands_in, mix_pair, weighted_mean
-from training.outer import OuterOptimizer, StateRejected
+from training.exchange.transport import MalformedMessage
+from training.exchange.compression import Codec, ErrorFeedback
+from training.learner.events import emit
+from training.exchange.fragments import FragmentLayout, exchange_count, fragment_of_round
+from training.exchange.messages import ExpectedMessage, MessageRejected, accept_message, check_bounds
+from training.exchange.mixing import butterfly_partner, crosses_islands_in, mix_pair, weighted_mean
+from training.exchange.outer import OuterOptimizer, StateRejected
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from pytorch_optimizer import ScalableShampoo
 from pytorch_optimizer.optimizer.utils.graft import LayerWiseGrafting
 from pytorch_optimizer.optimizer.utils.preconditioner import PreConditioner
 
-from training.messages import short
+from training.exchange.messages import short
 
 
 class StateRejected(ValueError):

@@ -1,6 +1,6 @@
 """A short profiling run: the run's own learners, for a few rounds, on this machine with nothing on a link.
 
-`training.planner.measure_step_seconds` times inner steps alone. A learner's round also spends time
+`training.planning.planner.measure_step_seconds` times inner steps alone. A learner's round also spends time
 outside them: the exchange's local work (encoding, checksums, the store's requests, the outer step),
 its checkpoint, the background work that competes with its compute for cores; and the run spends
 time before the first inner step (imports, the spec, its shard) and after the last round (final
@@ -23,7 +23,7 @@ from infra import layout
 from infra.launch import LearnerProcess, run_learner, threads_per_process
 from infra.spec import RunSpec, parse_spec, spec_sha256
 from infra.store import run_store
-from training.ledger import read_summaries
+from training.learner.ledger import read_summaries
 
 PROFILE_ROUNDS = 5  # the first round's end starts the clock; four more give each learner four round lengths
 
@@ -56,7 +56,7 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_
     """Run the spec's learners for `rounds` rounds against `store` (a run-spec `store` section; by
     default a fresh local folder) and time them. Capacity windows and bandwidth limits are dropped:
     the profile is of the islands, not of their reservations or their link."""
-    from training.data import prepare_dataset
+    from training.data.shards import prepare_dataset
 
     with tempfile.TemporaryDirectory(prefix="archipelago-profile-") as folder:
         raw = spec.model_dump(mode="json")

@@ -2,7 +2,7 @@
 
 Given a run spec, each island's seconds per inner step and the inter-island link's rate, the plan
 replays every round of every learner: its inner steps, the fragment the round exchanges and the
-peers it exchanges with (`training.fragments`, the sync mode's `peers`), the exact size of each
+peers it exchanges with (`training.exchange.fragments`, the sync mode's `peers`), the exact size of each
 message (the run's codec encodes a message of the fragment's size), the wait for peers' messages
 and the overlap rule (a round's exchange is applied `tau` inner steps into the next round, the
 last round's at once). Transfers across the link queue on it, one direction at a time, in the
@@ -28,11 +28,11 @@ from infra import layout
 from infra.authority import placeholder_signature
 from infra.spec import RunSpec
 from infra.store import ObjectRef, json_document
-from training.compression import Codec
-from training.fragments import assign_fragments, fragment_of_round
-from training.model import build_model
-from training.plan_windows import Stretch, WindowedClock, windows_plan
-from training.sync import SYNC_MODES
+from training.exchange.compression import Codec
+from training.exchange.fragments import assign_fragments, fragment_of_round
+from training.model.gpt import build_model
+from training.planning.windows import Stretch, WindowedClock, windows_plan
+from training.exchange.exchanger import SYNC_MODES
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
 # Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
@@ -102,7 +102,7 @@ class LearnerPlan:
     round_ends: list[float] = field(default_factory=list)
     bytes_written: int = 0
     bytes_read: dict[str, int] = field(default_factory=lambda: {"inter": 0, "intra": 0})
-    requests: int = 0  # PUTs and GETs of messages and their commits, as `infra.transport` counts them
+    requests: int = 0  # PUTs and GETs of messages and their commits, as `training.exchange.transport` counts them
     polls: int = 0  # GETs of peers' commits, one per message read: a reader that waits makes more
     paused_s: float = 0.0  # between its island's capacity windows after its first round: no capacity to use
     windows: list[Stretch] = field(default_factory=list)  # its rounds and waits in each of its island's windows
@@ -111,7 +111,7 @@ class LearnerPlan:
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
            sizes_bytes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None) -> list[LearnerPlan]:
     """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
-    windows, each computes only inside its island's (`training.plan_windows`)."""
+    windows, each computes only inside its island's (`training.planning.windows`)."""
     slots = spec.learners
     settings, mode = spec.sync.transport, SYNC_MODES[spec.sync.mode]
     links_of = [["intra" if p.island.name == s.island.name else "inter" for p in slots] for s in slots]
@@ -162,7 +162,7 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
                 pending[s.index] = None
             else:
                 pending[s.index] = ready[s.index]
-            # The round's work besides inner steps and the link (profiled: `training.profile_run`).
+            # The round's work besides inner steps and the link (profiled: `training.planning.profile`).
             clock[s.index] += (round_overhead_s or {}).get(s.island.name, 0.0)
             plan.round_ends.append(clock[s.index])
             windows[s.index].end_round()
@@ -200,7 +200,7 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
     """The plan of a run: per island and for the run, compute, bytes per link class, time blocked on
     the link, utilisation, wall time, and the link needed for each utilisation goal. `startup_s`,
     `round_overhead_s` (per island) and `teardown_s`: what a run spends besides inner steps and the
-    link, from a profiling run (`training.profile_run`); zero when not profiled."""
+    link, from a profiling run (`training.planning.profile`); zero when not profiled."""
     missing = sorted({s.island.name for s in spec.learners} - set(step_seconds))
     if missing:
         raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
@@ -288,7 +288,7 @@ def measure_step_seconds(spec: RunSpec, steps: int = 6) -> tuple[dict[str, float
 
 def _profile_learner(raw_spec: dict, learner: int, steps: int, threads: int, start, results, began: float) -> None:
     """One learner's inner steps on random bytes: its model, optimizer, batch and precision."""
-    from training.inner import forward_precision, inner_optimizer, optimizer_step
+    from training.model.inner import forward_precision, inner_optimizer, optimizer_step
 
     torch.set_num_threads(threads)
     spec = RunSpec.model_validate(raw_spec)

@@ -2,7 +2,7 @@
 
 The checkpoint of round t is the learner's whole state: weights, the inner optimizer's moments,
 the exchanger's anchors, outer optimizers and error-feedback residual, the ledger, and the
-exchange still in flight (see `training.learner`). Each part has its own state_dict; this module
+exchange still in flight (see `training.learner.loop`). Each part has its own state_dict; this module
 puts them together in the checkpoint's one layout and takes them apart again.
 """
 
@@ -19,13 +19,13 @@ import torch
 
 from infra import layout
 from infra.store import IntegrityError, ObjectExists, ObjectMissing, ObjectStore, StoreError
-from training.events import emit
-from training.ledger import Ledger
-from training.messages import short
-from training.outer import StateRejected
-from training.params import flat_parameters, load_flat_parameters
-from training.retention import Retention, checkpoint_rounds
-from training.sync import Exchange, Exchanger
+from training.learner.events import emit
+from training.learner.ledger import Ledger
+from training.exchange.messages import short
+from training.exchange.outer import StateRejected
+from training.model.params import flat_parameters, load_flat_parameters
+from training.learner.retention import Retention, checkpoint_rounds
+from training.exchange.exchanger import Exchange, Exchanger
 
 
 class RecordRejected(ValueError):

@@ -22,7 +22,7 @@ class Ledger:
     bytes_read_intra: int = 0
     bytes_read_inter: int = 0
     checkpoint_bytes: int = 0  # checkpoints, and the weights-only objects of the bpb curve's rounds
-    objects_retired: int = 0  # checkpoints and messages no one will read again (training/retention.py)
+    objects_retired: int = 0  # checkpoints and messages no one will read again (training/learner/retention.py)
     seconds_computing: float = 0.0
     seconds_syncing: float = 0.0
     seconds_blocked: float = 0.0  # waiting for an exchange still on the link
@@ -47,7 +47,7 @@ class Ledger:
         self.rounds[-1]["checkpoint_s"] = seconds
 
     def book_exchange(self, round_index: int, fragment: int, result, blocked_s: float) -> None:
-        """What an applied exchange (a `training.sync.ExchangeResult`) sent, read and missed."""
+        """What an applied exchange (a `training.exchange.exchanger.ExchangeResult`) sent, read and missed."""
         self.bytes_written += result.bytes_sent
         self.bytes_read_intra += result.bytes_read["intra"]
         self.bytes_read_inter += result.bytes_read["inter"]

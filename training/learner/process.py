@@ -1,4 +1,4 @@
-"""A learner's OS process: `python -m training.process --store URL --run-id RUN --spec-sha256 HASH
+"""A learner's OS process: `python -m training.learner.process --store URL --run-id RUN --spec-sha256 HASH
 --learner I`, started by `infra.launch` (under `torchrun` when the learner is data-parallel over
 several processes). It reads the run's spec from the run's store and refuses it unless it hashes to
 what the control plane passed, arms its watchdog (infra/watchdog.py), opens that store and its
@@ -29,8 +29,8 @@ from infra.retry import RetryPolicy
 from infra.spec import RunSpec, spec_sha256
 from infra.store import ObjectStore
 from infra.stores import RunStores
-from training.faults import store_faults
-from training.learner import Learner
+from training.learner.faults import store_faults
+from training.learner.loop import Learner
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run one Archipelago learner.")
     parser.add_argument("--store", required=True, help="store root URL (credentials from the environment)")

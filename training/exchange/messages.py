@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from training.compression import Codec, decode_field
+from training.exchange.compression import Codec, decode_field
 
 
 class MessageRejected(ValueError):

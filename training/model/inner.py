@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 
-from training.params import unflatten_into
+from training.model.params import unflatten_into
 
 BETAS = (0.9, 0.95)
 CLIP_NORM = 1.0
