@@ -142,7 +142,7 @@ def test_a_partner_wait_ends_at_its_deadline_while_the_peers_records_trickle(tri
     receipt = east.receive(1, 0, began + wait_s if deadline_given else None)
     seconds = time.monotonic() - began
     assert receipt.message is None and receipt.reason == "deadline"
-    assert east.transport.counters["inter"].polls >= 2  # it looked more than once, then asked the peer's records
+    assert east.channel.counters["inter"].polls >= 2  # it looked more than once, then asked the peer's records
     assert wait_s <= seconds <= wait_s * 1.1
 
 

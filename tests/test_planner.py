@@ -41,8 +41,8 @@ def test_a_message_is_planned_at_the_bytes_the_transport_reads(tmp_path, mode, c
         key = f"learners/001/round-0000{fragment}/message" + (f"-fragment-{fragment:03d}" if fragments > 1 else "")
         meta = {"learner": 1, "round": fragment, "tokens": spec.learners[1].tokens_per_round(), "fragment": fragment,
                 "anchor_from_initial": not codec.lossless}
-        transport.put_message(key, payload, meta, "inter")
-        _, _, read = transport.get_message(key, "inter", 1 << 30)
+        transport.send(key, payload, meta, "inter")
+        _, _, read = transport.fetch(1, key, "inter", 1 << 30, 1.0, give_up=lambda: False)
         assert message_bytes(spec, numel, learner=1, round_index=fragment) == read
 
 
@@ -55,12 +55,10 @@ def test_a_message_is_planned_at_the_requests_the_transport_makes(tmp_path, chun
     transport = Transport(ObjectStore(str(tmp_path)), chunk_bytes=chunk_bytes)
     numel = fragment_sizes(spec)[0]
     key = "learners/001/round-00000/message"
-    transport.put_message(key, {n: torch.randn(numel) for n in SYNC_MODES["butterfly"].fields},
+    transport.send(key, {n: torch.randn(numel) for n in SYNC_MODES["butterfly"].fields},
                           {"learner": 1, "round": 0, "tokens": spec.learners[1].tokens_per_round(), "fragment": 0,
                            "anchor_from_initial": False}, "inter")
-    commit = transport.wait_for_message(key, "inter", 1.0, give_up=lambda: False)
-    assert commit is not None
-    transport.get_message(key, "inter", 1 << 30, commit)
+    assert transport.fetch(1, key, "inter", 1 << 30, 1.0, give_up=lambda: False) is not None
     planned = message_requests(spec, message_bytes(spec, numel, learner=1))
     assert planned == (2 if chunk_bytes > numel * 8 else -(-numel * 8 // chunk_bytes) + 1)
     counters = transport.counters["inter"]
@@ -70,7 +68,7 @@ def test_a_message_is_planned_at_the_requests_the_transport_makes(tmp_path, chun
 
 def test_a_reader_that_waits_polls_more_than_once(tmp_path):
     transport = Transport(ObjectStore(str(tmp_path)))
-    assert transport.wait_for_message("learners/000/round-00000/message", "intra", 0.3, give_up=lambda: False) is None
+    assert transport.fetch(0, "learners/000/round-00000/message", "intra", 1 << 20, 0.3, give_up=lambda: False) is None
     assert transport.counters["intra"].polls > 1 and transport.counters["intra"].requests == 0
 
 

@@ -137,7 +137,7 @@ def test_a_valid_looking_or_malformed_message_costs_one_exchange(two_learner_run
     key = receiver.exchanger._message_key(1, 0)
     if attack in ("huge_scale", "huge_values"):
         published = sender.exchanger.publish(0, anchor, torch.full_like(anchor, 1e-3))
-        payload, meta, _ = receiver.transport.get_message(key, "inter", 1 << 30)
+        payload, meta, _ = receiver.transport.fetch(1, key, "inter", 1 << 30, 1.0, give_up=lambda: False)
         for name, value in payload.items():
             if attack == "huge_scale" and name.endswith(".scale"):
                 payload[name] = torch.full_like(value, 3e38)

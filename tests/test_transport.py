@@ -62,13 +62,13 @@ def test_a_large_message_travels_in_parts_and_reads_back_verified(tmp_path):
     store = ObjectStore(str(tmp_path))
     clock = FakeClock()
     transport = Transport(store, chunk_bytes=4096, bytes_per_s={"inter": 8192}, clock=clock, sleep=clock.sleep)
-    written = transport.put_message("m/message", tensors(), {"round": 3}, "inter")
+    written = transport.send("m/message", tensors(), {"round": 3}, "inter")
     parts = [k for k in store.list("m") if ".part-" in k]
     payload = sum(len(store.get_bytes(k)) for k in parts)
     assert payload > 16000 and len(parts) == -(-payload // 4096)
     assert all(len(store.get_bytes(k)) == 4096 for k in parts[:-1])
     assert written == sum(len(store.get_bytes(k)) for k in store.list("m"))
-    got, meta, nbytes = transport.get_message("m/message", "inter", 1 << 20)
+    got, meta, nbytes = transport.read_own("m/message", "inter", 1 << 20)
     assert meta == {"round": 3} and nbytes == written
     assert all(torch.equal(got[k], v) for k, v in tensors().items())
     counters = transport.report()
@@ -80,7 +80,7 @@ def test_a_large_message_travels_in_parts_and_reads_back_verified(tmp_path):
 
 def test_a_small_message_keeps_the_plain_commit_layout(tmp_path):
     store = ObjectStore(str(tmp_path))
-    Transport(store).put_message("m/message", tensors(), {"round": 0}, "intra")
+    Transport(store).send("m/message", tensors(), {"round": 0}, "intra")
     assert store.list("m") == ["m/message.json", "m/message.safetensors"]
     got, meta, _ = store.read_committed("m/message")
     assert torch.equal(got["delta"], tensors()["delta"])
@@ -92,18 +92,18 @@ def test_a_resend_after_a_crash_mid_send_does_not_collide_with_orphan_parts(tmp_
     other = {"delta": torch.ones(4000)}
     transport._put_chunk("m/message.part-0000", b"x" * 4096, "inter")  # a dead life's part, never committed
     store.put_bytes("s/message.safetensors", b"half-written")  # and one that died before its commit
-    transport.put_message("m/message", other, {}, "inter")
-    transport.put_message("s/message", {"delta": torch.ones(3)}, {}, "inter")
-    assert torch.equal(transport.get_message("m/message", "inter", 1 << 20)[0]["delta"], other["delta"])
-    assert torch.equal(transport.get_message("s/message", "inter", 1 << 20)[0]["delta"], torch.ones(3))
+    transport.send("m/message", other, {}, "inter")
+    transport.send("s/message", {"delta": torch.ones(3)}, {}, "inter")
+    assert torch.equal(transport.read_own("m/message", "inter", 1 << 20)[0]["delta"], other["delta"])
+    assert torch.equal(transport.read_own("s/message", "inter", 1 << 20)[0]["delta"], torch.ones(3))
 
 
 def test_a_different_committed_message_is_not_overwritten(tmp_path):
     transport = Transport(ObjectStore(str(tmp_path)))
-    transport.put_message("m/message", {"d": torch.ones(3)}, {}, "intra")
-    transport.put_message("m/message", {"d": torch.ones(3)}, {}, "intra")  # same bytes: a no-op
+    transport.send("m/message", {"d": torch.ones(3)}, {}, "intra")
+    transport.send("m/message", {"d": torch.ones(3)}, {}, "intra")  # same bytes: a no-op
     with pytest.raises(ObjectExists):
-        transport.put_message("m/message", {"d": torch.zeros(3)}, {}, "intra")
+        transport.send("m/message", {"d": torch.zeros(3)}, {}, "intra")
 
 
 def test_inter_island_jobs_go_before_queued_intra_island_ones(tmp_path):
@@ -134,7 +134,7 @@ def test_a_failed_job_hands_its_error_to_the_waiter(tmp_path):
 
 def test_counters_survive_a_restart_through_their_report(tmp_path):
     transport = Transport(ObjectStore(str(tmp_path)))
-    transport.put_message("m/message", {"d": torch.ones(3)}, {}, "inter")
+    transport.send("m/message", {"d": torch.ones(3)}, {}, "inter")
     again = Transport(ObjectStore(str(tmp_path)))
     again.load_report(transport.report())
     assert again.report() == transport.report()

@@ -9,8 +9,9 @@ sync mode) and takes the fragment's outer optimizer step, all while the learner 
 `tau` inner steps later the learner applies the exchange: the fragment moves to the new anchor plus
 the local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)).
 
-The exchanger talks to the store only through its transport (`training.exchange.transport.Transport`:
-`submit`, `put_message`, `get_message`, `wait_for_message`), so it is tested against a fake one.
+The exchanger talks to the stores only through its channel (`training.exchange.channel.Channel`:
+`submit`, `send`, `read_own`, `fetch`; the real one is `training.exchange.transport.Transport`), so it
+is tested against a fake one.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from infra import layout, watchdog
 from infra.spec import LearnerSlot, RunSpec
 from infra.store import IntegrityError, ObjectExists, StoreError, calls_end_by
-from training.exchange.transport import MalformedMessage
+from training.exchange.channel import Channel, MalformedMessage
 from training.exchange.compression import Codec, ErrorFeedback
 from training.learner.events import emit
 from training.exchange.fragments import FragmentLayout, exchange_count, fragment_of_round
@@ -175,10 +176,10 @@ class Exchanger:
     `before_publish(round)` runs on the transport thread just before a message is written (fault
     injection corrupts that write)."""
 
-    def __init__(self, spec: RunSpec, slot: LearnerSlot, transport, model: torch.nn.Module, initial: torch.Tensor,
+    def __init__(self, spec: RunSpec, slot: LearnerSlot, channel: Channel, model: torch.nn.Module, initial: torch.Tensor,
                  skipped: Callable[[int, int], bool] = lambda peer, round_index: False,
                  before_publish: Callable[[int], None] = lambda round_index: None):
-        self.spec, self.slot, self.transport = spec, slot, transport
+        self.spec, self.slot, self.channel = spec, slot, channel
         self.skipped, self.before_publish = skipped, before_publish
         settings = spec.sync.transport
         self.tau = settings.tau
@@ -211,7 +212,7 @@ class Exchanger:
         changes afterwards. `deadline` (monotonic seconds): when to stop waiting for all peers together."""
         fragment = self.fragment_of(round_index)
         # Anchors are replaced when an exchange is applied, never changed in place: the job may read this one.
-        future = self.transport.submit(self._link_class(round_index), self._exchange, round_index, fragment.anchor,
+        future = self.channel.submit(self._link_class(round_index), self._exchange, round_index, fragment.anchor,
                                        fragment_weights, deadline)
         return Exchange(round_index, fragment.number, fragment_weights, future)
 
@@ -240,11 +241,11 @@ class Exchanger:
                 "fragment": fragment.number, "anchor_from_initial": not self.codec.lossless}
         key, link, nbytes = self._message_key(self.slot.index, round_index), self._link_class(round_index), 0
         try:
-            nbytes = self.transport.put_message(key, payload, meta, link)
+            nbytes = self.channel.send(key, payload, meta, link)
         except ObjectExists:
             expected = self._expected(self.slot.index, round_index)
             try:
-                sent, sent_meta, _ = self.transport.get_message(key, link, expected.max_bytes)
+                sent, sent_meta, _ = self.channel.read_own(key, link, expected.max_bytes)
                 decoded = accept_message(sent, sent_meta, expected, self.codec)
                 # A previous life's message is close to what this life would send; one that is not
                 # was not ours to adopt, whoever wrote it.
@@ -278,15 +279,15 @@ class Exchanger:
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         link = self.links[peer]
         wait_ends = time.monotonic() + timeout
+        expected = self._expected(peer, round_index)
         try:
-            commit = self.transport.wait_for_message(key, link, timeout,
-                                                     give_up=lambda: self.skipped(peer, round_index))
-            if commit is None:
+            fetched = self.channel.fetch(peer, key, link, expected.max_bytes, timeout,
+                                           give_up=lambda: self.skipped(peer, round_index))
+            if fetched is None:
                 with calls_end_by(wait_ends):  # why the wait ended is asked within it, not after it
                     skipped = self.skipped(peer, round_index)
                 return self._missed(peer, round_index, "skipped by the peer's restart" if skipped else "deadline")
-            expected = self._expected(peer, round_index)
-            payload, meta, nbytes = self.transport.get_message(key, link, expected.max_bytes, commit)
+            payload, meta, nbytes = fetched
         except IntegrityError as err:
             return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True)
         except MalformedMessage as err:

@@ -27,17 +27,14 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from infra import layout, watchdog
-from infra.store import ObjectExists, ObjectRef, ObjectStore, StoreError, sha256
+from infra import watchdog
+from infra.store import ObjectExists, ObjectRef, ObjectStore, sha256
+from training.exchange.channel import Channel, MalformedMessage, Message
 
 LINK_CLASSES = ("inter", "intra")
 # A message's commit lists its parts and a few fields; anything much larger is not a commit.
 COMMIT_MAX_BYTES = 64 << 10
 PRIORITY = {"inter": 0, "intra": 1, "checkpoint": 2}  # checkpoints written in the background go last
-
-
-class MalformedMessage(StoreError):
-    """A message's commit does not describe a message: foreign keys, too many bytes, bad payload."""
 
 
 def _message_refs(key: str, meta: dict, max_bytes: int) -> list[ObjectRef]:
@@ -105,7 +102,7 @@ class LinkBudget:
         return 0.0
 
 
-class Transport:
+class Transport(Channel):
     def __init__(self, store: ObjectStore, chunk_bytes: int = 64 << 20,
                  bytes_per_s: dict[str, float | None] | None = None,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
@@ -164,7 +161,7 @@ class Transport:
 
     # -- messages -------------------------------------------------------------------------------
 
-    def put_message(self, key: str, tensors: dict[str, torch.Tensor], meta: dict, link: str) -> int:
+    def send(self, key: str, tensors: dict[str, torch.Tensor], meta: dict, link: str) -> int:
         """Write a committed tensor set, paced and counted on `link`; returns bytes written.
 
         Raises ObjectExists when a different message was already committed under `key`.
@@ -200,16 +197,29 @@ class Transport:
         key = base if base.endswith(".safetensors") else f"{base}-{digest[:16]}.bin"
         return self._timed(link, lambda: self.store.put_bytes(key, data))
 
-    def get_message(self, key: str, link: str, max_bytes: int,
-                    commit: tuple[dict, int] | None = None) -> tuple[dict[str, torch.Tensor], dict, int]:
-        """Read a committed tensor set (either layout), verified part by part; and bytes read.
-        `commit`: the message's commit as `wait_for_message` brought it (fetched here when None).
+    def read_own(self, key: str, link: str, max_bytes: int) -> Message:
+        commit = self._timed(link, lambda: self.store.get_json_sized(f"{key}.json", max_bytes=COMMIT_MAX_BYTES),
+                             size=lambda r: r[1])
+        self.counters[link].requests += 1
+        return self._read(self.store, key, link, max_bytes, commit)
 
-        The commit is a peer's word: it may only point at its own message's objects, and at no more
-        than `max_bytes` of them, or nothing is read (MalformedMessage)."""
-        source = self._source(key)
-        meta, meta_bytes = commit or self._timed(
-            link, lambda: source.get_json_sized(f"{key}.json", max_bytes=COMMIT_MAX_BYTES), size=lambda r: r[1])
+    def fetch(self, peer: int, key: str, link: str, max_bytes: int, timeout_s: float,
+              give_up: Callable[[], bool]) -> Message | None:
+        """The look that finds the commit brings it; polls are counted apart from requests."""
+        def polled() -> None:
+            self.counters[link].polls += 1
+        source = self.store if self.read_from is None else self.read_from(peer)
+        commit = source.wait_for_json(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled,
+                                      max_bytes=COMMIT_MAX_BYTES)
+        if commit is None:
+            return None
+        return self._read(source, key, link, max_bytes, self._timed(link, lambda: commit, size=lambda r: r[1]))
+
+    def _read(self, source: ObjectStore, key: str, link: str, max_bytes: int, commit: tuple[dict, int]) -> Message:
+        """A committed tensor set (either layout), verified part by part. The commit is the sender's
+        word: it may only point at its own message's objects, and at no more than `max_bytes` of them,
+        or nothing is read (MalformedMessage)."""
+        meta, meta_bytes = commit
         meta = dict(meta)
         refs = _message_refs(key, meta, max_bytes)
         data = b"".join(self._timed(link, lambda ref=ref: source.get_bytes(ref.key, ref.sha256, max_bytes=ref.nbytes))
@@ -218,24 +228,11 @@ class Transport:
         self.counters[link].bytes_read += nbytes
         self._count(source, "read", nbytes)
         self.counters[link].messages_read += 1
-        self.counters[link].requests += len(refs) + (commit is None)
+        self.counters[link].requests += len(refs)
         try:
-            return load_safetensors(data), meta, nbytes
+            return Message(load_safetensors(data), meta, nbytes)
         except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for bad bytes
             raise MalformedMessage(f"message {key}: not a safetensors payload ({err})") from None
-
-    def wait_for_message(self, key: str, link: str, timeout_s: float,
-                         give_up: Callable[[], bool]) -> tuple[dict, int] | None:
-        """A message's commit and its size once it appears within `timeout_s`, for `get_message`; None
-        if it did not, at once when `give_up()` says it never will. The look that finds it brings it."""
-        def polled() -> None:
-            self.counters[link].polls += 1
-        commit = self._source(key).wait_for_json(f"{key}.json", timeout_s, give_up=give_up, on_poll=polled,
-                                                 max_bytes=COMMIT_MAX_BYTES)
-        return None if commit is None else self._timed(link, lambda: commit, size=lambda r: r[1])
-
-    def _source(self, key: str) -> ObjectStore:
-        return self.store if self.read_from is None else self.read_from(layout.learner_of(key))
 
     def _count(self, store: ObjectStore, direction: str, nbytes: int) -> None:
         totals = self.by_store.setdefault(store.url, {"written": 0, "read": 0})
