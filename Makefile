@@ -28,7 +28,7 @@ ui: setup
 	$(BIN)/archipelago serve configs/demo.yaml --port $(or $(PORT),4200)
 
 bench: setup
-	$(BIN)/python bench/inner_loop.py
+	$(BIN)/python -m bench.learner_throughput
 
 # About 3 hours on 2 idle cores; resumes arm by arm (bench/results/quality/).
 bench-quality: setup

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from datetime import timedelta
 
 import torch
@@ -27,65 +26,25 @@ import torch.distributed as dist
 from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
-from training.baseline import BaselinePlan, accumulate_gradients, baseline_lr, baseline_optimizer, shard_samplers
+from training.baseline import DataParallelRank, all_reduce_gradients, train_baseline
 from training.learner.events import emit
-from training.model.inner import optimizer_step
-from training.model.gpt import build_model
-from training.model.params import flat_parameters, unflatten_into
-from training.model.schedule import learning_rate
-
-
-def all_reduce_gradients(model: torch.nn.Module) -> int:
-    """Sum the ranks' gradients in one flat fp32 buffer; returns the buffer's bytes."""
-    params = list(model.parameters())
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    dist.all_reduce(flat)
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    unflatten_into(flat, [p.grad for p in params])
-    return flat.numel() * flat.element_size()
 
 
 def train(spec: RunSpec, store: ObjectStore, island: str, max_steps: int | None) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    plan = BaselinePlan.of(spec)
-    mine = [slot.index for slot in plan.slots if slot.island.name == island]
+    rank = dist.get_rank()
+    mine = [slot.index for slot in spec.learners if slot.island.name == island]
     if not mine:
         raise SystemExit(f"--island {island!r}: no such island in the run's spec")
-    samplers = shard_samplers(spec, store, mine)
-    model = build_model(spec)
-    optimizer = baseline_optimizer(spec, model)
-    steps = plan.steps if max_steps is None else min(max_steps, plan.steps)
-    computing = communicating = 0.0
-    gradient_bytes = tokens = 0
     dist.barrier()  # both ranks have their data: from here on the link carries only gradients
     if rank == 0:
-        emit("started", steps=steps)
-    started = time.monotonic()
-    for step in range(steps):
-        t0 = time.monotonic()
-        optimizer.zero_grad(set_to_none=True)
-        loss, total = accumulate_gradients(model, plan, samplers, step)
-        t1 = time.monotonic()
-        gradient_bytes = all_reduce_gradients(model)
-        t2 = time.monotonic()
-        optimizer_step(model, optimizer, learning_rate(step, plan.steps, baseline_lr(spec), spec.sync.warmup_steps))
-        computing += (t1 - t0) + (time.monotonic() - t2)
-        communicating += t2 - t1
-        tokens += total
-        if rank == 0 and (step % 10 == 0 or step == steps - 1):
-            elapsed = time.monotonic() - started
-            emit("step", step=step + 1, steps=steps, loss_part=round(loss, 4),
-                 tokens_per_s=round(tokens / elapsed), eta_s=round(elapsed / (step + 1) * (steps - step - 1), 1))
-    wall = time.monotonic() - started
-    if rank == 0:
-        store.commit_tensors(layout.BASELINE, {"weights": flat_parameters(model)},
-                             {"tokens": tokens, "steps": steps, "global_batch": plan.global_batch,
-                              "seconds": wall, "transport": f"gloo all-reduce over {world} islands"})
-    return {"rank": rank, "island": island, "learners": mine, "steps_run": steps, "steps_planned": plan.steps,
-            "global_tokens": tokens, "gradient_bytes_per_step": gradient_bytes, "seconds_wall": wall,
-            "seconds_computing": computing, "seconds_communicating": communicating}
+        emit("started")
+    result = train_baseline(spec, store, lambda p: emit("step", **p) if rank == 0 else None,
+                            DataParallelRank(mine, all_reduce_gradients, commits=rank == 0), max_steps)
+    return {"rank": rank, "island": island, "learners": mine, "steps_run": result["steps"],
+            "steps_planned": result["steps_planned"], "global_tokens": result["tokens"],
+            "gradient_bytes_per_step": result["gradient_bytes_per_step"], "seconds_wall": result["seconds_wall"],
+            "seconds_computing": result["seconds_wall"] - result["seconds_summing"],
+            "seconds_communicating": result["seconds_summing"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,7 +43,7 @@ import torch
 import yaml
 
 from bench import quality
-from bench.islands import Log, cpu_lock
+from bench.harness import Log, cpu_lock
 from bench.results_page import write_results_page
 from infra.spec import RunSpec, parse_spec
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.islands import Log, train_islands
+from bench.harness import Log, train_islands
 from eval.evaluate import heldout_bpb
 from infra import layout
 from infra.spec import RunSpec, load_spec

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.islands import Log, train_islands
+from bench.harness import Log, train_islands
 from eval.evaluate import heldout_bpb
 from infra import layout
 from infra.launch import LEARNER_MODULE

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.islands import cpu_lock
+from bench.harness import cpu_lock
 from infra import layout
 from infra.spec import RunSpec, load_spec
 from infra.store import run_store

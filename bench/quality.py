@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.islands import Log, train_islands
+from bench.harness import Log, train_islands
 from bench.results_page import write_results_page
 from eval.bootstrap import paired_bootstrap
 from eval.evaluate import score_model

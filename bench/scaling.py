@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.islands import Log, cpu_lock, new_run, relative_change, train_islands
+from bench.harness import Log, cpu_lock, new_run, relative_change, train_islands
 from bench.results_page import write_results_page
 
 RESULTS = Path("bench/results/scaling")

@@ -83,7 +83,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from bench.islands import new_run
+from bench.harness import new_run
 from bench.netns import (ConnectionBytes, IslandEnd, LinkPlan, existing_namespaces, link_bytes, log, require_root_and_tools, run_checked,
                          run_concurrently, teardown)
 from bench.shaped_link_report import headline, write_reports

@@ -10,7 +10,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.islands import relative_change
+from bench.harness import relative_change
 from bench.results_page import write_results_page
 
 RESULTS = Path("bench/results/shaped_link.json")

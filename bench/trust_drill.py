@@ -117,7 +117,7 @@ def forge_stage_result(spec, report: dict) -> str:
 
 def run_arm(spec, attack: bool, log) -> dict:
     from flows.lifecycle import run_lifecycle
-    from tasks.setup import new_run_id
+    from training.stages import new_run_id
 
     run_id = new_run_id(spec)
     planted: list[str] = []

@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
     if any(island.windows for island in spec.islands):
         print("note: capacity windows are kept by runs started from the `lifecycle` deployment "
               "(archipelago serve); `run` trains every island now", file=sys.stderr)
-    from tasks.setup import new_run_id
+    from training.stages import new_run_id
 
     return _launch(spec, new_run_id(spec), args.report)
 

@@ -30,8 +30,9 @@ from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.segments import island_segments, stop_segments
-from tasks.setup import new_run_id, start_run
+from tasks.setup import start_run
 from tasks.training import consolidate_learners, train_learner, train_standard
+from training.stages import new_run_id
 
 
 @flow(name="lifecycle", persist_result=True, result_serializer=RESULT_SERIALIZER)

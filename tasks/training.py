@@ -11,16 +11,14 @@ from uuid import UUID
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from infra.authority import foreign_signing_keys
-from infra.launch import LearnerProcess, run_learner, threads_per_process
-from infra.spec import RunSpec, spec_sha256
-from infra.stores import RunStores, foreign_writer_credentials, open_run
+from infra.spec import RunSpec
+from infra.stores import open_run
 from tasks.faults import fail_once_if_asked
 from tasks.stage import stage
+from training import stages
 from training.baseline import train_baseline
 from training.learner import events
 from training.consolidate import consolidate
-from training.learner.ledger import finished
 
 
 # Rounds can take well under a second; each progress update and each batch of log lines is a request
@@ -67,21 +65,10 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
                   lease_term: int | None = None) -> dict:
     """One learner of an island's segment, as its own OS process (a torchrun group if it has several).
 
-    A learner that dies is retried by Prefect and resumes from the newest checkpoint it can trust.
-    With `until` (the end of the island's capacity window) it stops cleanly before a round that
-    would not finish in time; `finished` says whether it trained every round.
-    """
-    logger = get_run_logger()
-    island_spec = spec.learners[learner].island
+    A learner that dies is retried by Prefect and resumes (`training.stages.train_learner`)."""
     progress = create_progress_artifact(0.0, key=f"progress-learner-{learner}",
                                         description=f"Rounds completed by learner {learner} on {island} ({run_id})")
-    run_learner(LearnerProcess(learner, island_spec.processes_per_learner, threads_per_process(spec), until,
-                               spec_sha256=spec_sha256(spec), lease_term=lease_term),
-                spec.store.url, spec.store.endpoint_url, run_id, learner_relay(logger, progress),
-                spec.store.credentials_env,
-                foreign_signing_keys(spec, island) + foreign_writer_credentials(spec, island))
-    return {"learner": learner, "island": island,
-            "finished": finished(RunStores(spec, open_run(spec, run_id, writer=None)), spec, learner)}
+    return stages.train_learner(spec, run_id, learner, learner_relay(get_run_logger(), progress), until, lease_term)
 
 
 @stage("consolidate")

@@ -19,7 +19,7 @@ def tiny(**changes):
 
 def test_run_survives_a_killed_learner_store_errors_and_a_corrupt_object(s3_env):
     from flows.lifecycle import run_lifecycle
-    from tasks.setup import new_run_id
+    from training.stages import new_run_id
 
     spec = tiny(sync={**TINY["sync"], "rounds": 6, "partner_timeout_s": 20},
                 faults=[{"kind": "kill_learner", "learner": 1, "round": 2},

@@ -12,15 +12,16 @@ import time
 
 import pytest
 
-from bench.islands import Log, train_islands
 from eval.report import fault_report, store_bytes
 from infra import layout
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore, StoreError, run_store
 from infra.stores import RunStores, check_stores_reachable
+from training.consolidate import consolidate
 from training.data.shards import prepare_dataset
 from training.learner.ledger import read_summaries
+from training.stages import train_learners
 from tests.corpora import corpus_folder
 
 
@@ -74,7 +75,8 @@ def test_each_island_keeps_its_state_in_its_own_store_and_only_exchanges_cross(t
     assert west.url.startswith("s3://west/") and manifest["shards"][1]["store"] == west.url
     assert manifest["shards"][0]["store"] == run.url
 
-    consensus = train_islands(spec, "r", Log(tmp_path / "progress.log"))
+    train_learners(spec, "r", relay=lambda line: None)
+    consensus = consolidate(spec, run)
     assert consensus["learners_without_final_checkpoint"] == []
 
     # The west learner's objects are in the west store only; the east learner's in the run's store only.
@@ -116,7 +118,8 @@ def test_a_store_that_goes_away_costs_exchanges_not_the_run(make_two_sites, west
     prepare_dataset(spec, run)
     west = RunStores(spec, run).island("west")
     trained: dict = {}
-    training = threading.Thread(target=lambda: trained.update(train_islands(spec, "r", Log(tmp_path / "log"))))
+    training = threading.Thread(target=lambda: trained.update(
+        learners=train_learners(spec, "r", relay=lambda line: None), consensus=consolidate(spec, run)))
     training.start()
     deadline = time.monotonic() + 120
     while max(layout.checkpoint_rounds(west.list(layout.learner_prefix(1))), default=-1) < 2:
@@ -128,7 +131,9 @@ def test_a_store_that_goes_away_costs_exchanges_not_the_run(make_two_sites, west
     finally:
         os.killpg(west_server.pid, signal.SIGCONT)
     training.join(timeout=300)
-    assert trained["learners_without_final_checkpoint"] == [] and trained["learners_with_corrupt_final_checkpoint"] == []
+    assert [learner["finished"] for learner in trained["learners"]] == [True, True]
+    consensus = trained["consensus"]
+    assert consensus["learners_without_final_checkpoint"] == [] and consensus["learners_with_corrupt_final_checkpoint"] == []
     east_summary, west_summary = read_summaries(spec, run)
     assert len(east_summary.rounds) == len(west_summary.rounds) == 10
     missed = [m for m in east_summary.missed_exchanges if m["peer"] == 1]

@@ -30,7 +30,7 @@ TINY = {
 @pytest.mark.parametrize("mode", ["butterfly", "allreduce"])
 def test_lifecycle_on_s3_with_a_torchrun_learner(mode, s3_env, prefect_api):
     from flows.lifecycle import run_lifecycle
-    from tasks.setup import new_run_id
+    from training.stages import new_run_id
 
     # Every message is kept (keep_checkpoints empty): the byte counts below are recomputed from them.
     spec = parse_spec({**TINY, "sync": {**TINY["sync"], "mode": mode, "keep_checkpoints": None}})

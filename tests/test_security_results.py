@@ -74,7 +74,7 @@ def final_stage_states(flow_run_id, stages: int) -> dict[str, str]:
 def finished_run(tmp_path_factory, prefect_api):
     """One small lifecycle, run to the end: (spec, run id, report, the lifecycle's flow run id)."""
     from flows.lifecycle import run_lifecycle
-    from tasks.setup import new_run_id
+    from training.stages import new_run_id
 
     spec = tiny_spec(tmp_path_factory.mktemp("results"))
     run_id = new_run_id(spec)
@@ -207,7 +207,7 @@ def signing_keys():
 def signed_finished_run(tmp_path_factory, prefect_api, signing_keys):
     """`finished_run` of a spec with keys."""
     from flows.lifecycle import run_lifecycle
-    from tasks.setup import new_run_id
+    from training.stages import new_run_id
 
     spec = tiny_spec(tmp_path_factory.mktemp("signed-results"), name="signed", signing=signing_keys)
     run_id = new_run_id(spec)
@@ -414,7 +414,8 @@ def test_a_run_started_as_a_flow_run_is_named_by_its_flow_run_id(prefect_api, tm
     about 1 run in 100 and handed the new run an old run's results. Here the run stops at its
     island segments (no deployments exist), after the run id has named the run's folder."""
     from flows.deployments import archipelago
-    from tasks.setup import flow_run_run_id, new_run_id
+    from tasks.setup import flow_run_run_id
+    from training.stages import new_run_id
 
     spec = tiny_spec(tmp_path, name="ui")
     state = archipelago(spec, return_state=True)

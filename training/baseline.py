@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from infra import layout
 from infra.derived import commit_derived
@@ -21,7 +22,7 @@ from infra.stores import RunStores
 from training.data.streams import WindowSampler, read_stream
 from training.model.inner import inner_optimizer, optimizer_step
 from training.model.gpt import build_model
-from training.model.params import flat_parameters
+from training.model.params import flat_parameters, unflatten_into
 from training.model.schedule import learning_rate, snapshot_steps
 
 
@@ -87,28 +88,64 @@ def baseline_optimizer(spec: RunSpec, model) -> torch.optim.Optimizer:
     return inner_optimizer(model.parameters(), baseline_lr(spec), spec.sync.weight_decay)
 
 
-def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lambda _: None) -> dict:
+def all_reduce_gradients(model: torch.nn.Module) -> int:
+    """Sum the gradients of a torch.distributed group's ranks in one flat fp32 buffer (one
+    all-reduce a step); returns the buffer's bytes."""
+    params = list(model.parameters())
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat)
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    unflatten_into(flat, [p.grad for p in params])
+    return flat.numel() * flat.element_size()
+
+
+@dataclass(frozen=True)
+class DataParallelRank:
+    """This process's part of standard training run as data parallelism over several processes (one
+    per island, say): the learners whose shards it trains on, how the ranks' gradients are summed
+    after each backward (returns the bytes summed), and whether it commits the model."""
+
+    learners: list[int]
+    sum_gradients: Callable[[torch.nn.Module], int]
+    commits: bool
+
+
+def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lambda _: None,
+                   rank: DataParallelRank | None = None, max_steps: int | None = None) -> dict:
+    """Standard training on the run's shards, in this process or (with `rank`) as one rank of several.
+    `max_steps` stops early, a measured subset of the plan's steps; only a whole single-process run
+    commits the snapshots the bpb curve scores."""
     plan = BaselinePlan.of(spec)
     steps, global_batch = plan.steps, plan.global_batch
-    samplers = shard_samplers(spec, store, [slot.index for slot in plan.slots])
+    run_steps = steps if max_steps is None else min(max_steps, steps)
+    samplers = shard_samplers(spec, store, rank.learners if rank else [slot.index for slot in plan.slots])
     model = build_model(spec)
     optimizer = baseline_optimizer(spec, model)
-    tokens, started = 0, time.monotonic()
-    snapshots = set(snapshot_steps(spec.sync.rounds, steps))
-    for step in range(steps):
+    tokens, summing, gradient_bytes, started = 0, 0.0, 0, time.monotonic()
+    snapshots = set(snapshot_steps(spec.sync.rounds, steps)) if rank is None and max_steps is None else set()
+    for step in range(run_steps):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, total = accumulate_gradients(model, plan, samplers, step)
+        if rank is not None:
+            began = time.monotonic()
+            gradient_bytes = rank.sum_gradients(model)
+            summing += time.monotonic() - began
         optimizer_step(model, optimizer, learning_rate(step, steps, baseline_lr(spec), spec.sync.warmup_steps))
         tokens += total
         if step in snapshots and step != steps - 1:
             commit_derived(store, layout.baseline_snapshot(step), {"weights": flat_parameters(model)},
                            {"tokens": tokens, "step": step})
-        if step % 25 == 0 or step == steps - 1:
+        if step % 25 == 0 or step == run_steps - 1:
             elapsed = time.monotonic() - started
-            progress({"step": step + 1, "steps": steps, "loss": round(loss_sum, 4),
-                      "tokens_per_s": round(tokens / elapsed), "eta_s": round(elapsed / (step + 1) * (steps - step - 1), 1)})
-    weights = flat_parameters(model)
-    commit_derived(store, layout.BASELINE, {"weights": weights},
-                   {"tokens": tokens, "steps": steps, "global_batch": global_batch,
-                    "seconds": time.monotonic() - started})
-    return {"tokens": tokens, "steps": steps, "global_batch": global_batch}
+            progress({"step": step + 1, "steps": run_steps, "loss": round(loss_sum, 4),
+                      "tokens_per_s": round(tokens / elapsed),
+                      "eta_s": round(elapsed / (step + 1) * (run_steps - step - 1), 1)})
+    seconds = time.monotonic() - started
+    result = {"tokens": tokens, "steps": run_steps, "steps_planned": steps, "global_batch": global_batch}
+    if rank is None or rank.commits:
+        commit_derived(store, layout.BASELINE, {"weights": flat_parameters(model)}, {**result, "seconds": seconds})
+    if rank is not None:
+        result.update(seconds_wall=seconds, seconds_summing=summing, gradient_bytes_per_step=gradient_bytes)
+    return result

@@ -1,0 +1,75 @@
+"""What the benchmarks share: a progress log kept beside their results, the CPU lock that benchmarks
+sharing two cores take turns with, planned-against-measured as a relative change, and a run started
+and trained through the product's own stages (`training.stages`), as the lifecycle runs them."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import time
+from pathlib import Path
+
+from infra.spec import RunSpec
+from infra.stores import open_run
+from training.consolidate import consolidate
+from training.data.shards import prepare_dataset
+from training.learner import events
+from training.stages import new_run_id, start_run, train_learners
+
+
+class Log:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a")
+
+    def __call__(self, message: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} {message}"
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+
+@contextlib.contextmanager
+def cpu_lock(path: str | Path | None):
+    """Hold the lock file `path` (none when None) while one arm trains, so that benchmarks sharing the
+    cores take turns arm by arm; yields the seconds spent waiting for it."""
+    if path is None:
+        yield 0.0
+        return
+    Path(path).touch(exist_ok=True)
+    with open(path) as lock:
+        waited = time.monotonic()
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield time.monotonic() - waited
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def relative_change(value: float, reference: float) -> str:
+    """`value` against `reference`, in percent (e.g. planned against measured)."""
+    return f"{(value / reference - 1) * 100:+.1f}%" if reference else "n/a"
+
+
+def new_run(spec: RunSpec, arm: str):
+    """A fresh run of an arm, started and its data prepared; returns (run id, store, manifest)."""
+    run_id = new_run_id(spec, arm)
+    store = start_run(spec, run_id)
+    return run_id, store, prepare_dataset(spec, store)
+
+
+def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> dict:
+    """Every learner as its own OS process, then consolidation; learner 0's progress every tenth round."""
+    def relay(line: str) -> None:
+        event = events.parse(line)
+        if event is None:
+            return
+        if event["event"] == "round" and event["learner"] == 0 and event["round"] % 10 == 9:
+            log(f"  learner 0 round {event['round'] + 1}/{event['rounds']} loss {event['loss']:.3f} "
+                f"{event['tokens_per_s']:,} tok/s ETA {event['eta_s']:.0f} s")
+        elif event["event"] in ("missed_exchange", "fault", "resumed", "skipping_rounds"):
+            log(f"  {event}")
+
+    train_learners(spec, run_id, relay, restarts,
+                   on_restart=lambda learner, reason: log(f"  learner {learner} died ({reason}); restarting"))
+    return consolidate(spec, open_run(spec, run_id))
