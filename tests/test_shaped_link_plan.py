@@ -5,8 +5,8 @@ import time
 
 import pytest
 
+from bench.link_rates import brief_scaled_rate_bps, dp_matched_rate_bps, dp_need_bps
 from bench.netns import IFNAME_MAX, LinkPlan, link_bytes, tbf_burst_bytes
-from bench.shaped_link import brief_scaled_rate_bps, dp_matched_rate_bps, dp_need_bps
 
 
 def test_brief_scaling_keeps_parameters_per_bit():
@@ -107,7 +107,7 @@ def test_connection_bytes_count_one_peers_connections_to_a_port_from_the_kernel(
 def test_steady_utilisation_starts_once_every_learner_has_finished_a_round():
     from types import SimpleNamespace
 
-    from bench.shaped_link import steady_utilisation
+    from bench.link_arms import steady_utilisation
 
     def learner(ends: list[float], compute: float):
         return SimpleNamespace(rounds=[{"ended_at": t, "compute_s": compute} for t in ends])
