@@ -135,7 +135,7 @@ def training_settings(spec: RunSpec) -> dict:
     nothing a run trains: the recipe is the candidate whose training settings the config still has."""
     settings = spec.model_dump(mode="json")
     for field in ("checkpoint_every", "keep_checkpoints"):
-        settings["sync"].pop(field)
+        settings["training"].pop(field)
     settings["sync"]["transport"].pop("checkpoint_in_background")
     return settings
 
@@ -218,13 +218,13 @@ def baselines(quality_results: dict[str, dict]) -> dict[str, list[dict] | None]:
 
 def settings_of(result: dict) -> str:
     """The levers of a run, from its stored settings."""
-    sync, islands = result["sync"], result["islands"]
+    sync, training, islands = result["sync"], result["training"], result["islands"]
     transport, outer = sync["transport"], sync["outer"]
     steps = " / ".join(str(i["inner_steps"]) for i in islands)
     return (f"H {steps}, F {transport['fragments']}, tau {transport['tau']}, {transport['compression']}"
             f"{'' if transport['error_feedback'] else ' no EF'}{' exact own' if transport['mix_own_exact'] else ''}, "
-            f"{outer['name']} lr {outer['lr']:g} m {outer['momentum']:g}, inner lr {sync['inner_lr']:g} "
-            f"warm-up {sync['warmup_steps']}")
+            f"{outer['name']} lr {outer['lr']:g} m {outer['momentum']:g}, inner lr {training['lr']:g} "
+            f"warm-up {training['warmup_steps']}")
 
 
 def front(results: dict[str, dict], base: dict[str, list[dict] | None]) -> list[dict]:

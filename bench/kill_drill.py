@@ -57,8 +57,8 @@ def drill_spec(store_url: str) -> dict:
             {"name": "prose", "source": "shakespeare", "eval_fraction": 0.1, "max_eval_bytes": 60000},
             {"name": "code", "source": "python_stdlib", "max_documents": 200, "eval_fraction": 0.1,
              "max_eval_bytes": 60000}]},
-        "sync": {"mode": "butterfly", "rounds": 30, "inner_lr": 0.003, "warmup_steps": 8,
-                 "outer": {"name": "nesterov", "lr": 1.0, "momentum": 0.0}},
+        "training": {"lr": 0.003, "warmup_steps": 8},
+        "sync": {"mode": "butterfly", "rounds": 30, "outer": {"name": "nesterov", "lr": 1.0, "momentum": 0.0}},
         "store": {"url": store_url},
     }
 

@@ -108,8 +108,8 @@ def base_spec(seed: int, family: Family) -> dict:
             {"name": "code", "source": "python_stdlib", "max_documents": 1200, "eval_fraction": 0.1,
              "max_eval_bytes": 650_000, "validation_fraction": 0.05, "max_validation_bytes": 300_000},
         ]},
-        "sync": {"mode": family.mode, "rounds": family.rounds, "inner_lr": 3e-3, "warmup_steps": 20,
-                 "outer": SHAMPOO},
+        "training": {"lr": 3e-3, "warmup_steps": 20},
+        "sync": {"mode": family.mode, "rounds": family.rounds, "outer": SHAMPOO},
         "store": {"url": str(RESULTS / "store")},
     }
 

@@ -4,7 +4,7 @@ through the store, measured per learner and round beside the planner's predictio
     .venv/bin/python -m bench.scaling [--learners 4 8 16 32] [--rounds 3] [--table]
 
 Every arm is a tiny model (`SCALING` below) on two islands of N/2 learners each, every learner its own
-OS process (`bench.islands.train_islands`), all talking to one SeaweedFS S3 server on loopback that
+OS process (`training.stages.train_learners`), all talking to one SeaweedFS S3 server on loopback that
 the bench starts and stops. What a learner's transport counted (`training.exchange.transport.LinkCounters`, in
 its summary) is set beside what `training.planning.planner.replay` predicts for the same spec:
 

@@ -235,13 +235,28 @@ class TransportSpec(SpecModel):
                                      description="Bandwidth budget per link class, per learner.")
 
 
+class TrainingSpec(SpecModel):
+    """How each learner trains between exchanges, and how often it checkpoints."""
+
+    lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate of the inner steps (and of the baseline, "
+                                               "unless baseline.lr says otherwise).")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the learning-rate schedule.")
+    checkpoint_every: int = Field(
+        1, ge=1, le=MAX_STEPS,
+        description="Rounds between a learner's checkpoints; the last round and a round a capacity window ends "
+                    "after are always checkpointed. A restart replays at most this many rounds.")
+    keep_checkpoints: int | None = Field(
+        2, ge=1, le=MAX_STEPS,
+        description="Newest committed checkpoints each learner keeps; older ones are retired, and so is a "
+                    "message once every learner that could read it has committed a checkpoint of a later round. "
+                    "The bpb curve's rounds keep their weights alone, whatever this says. Empty: keep everything.")
+
+
 class SyncSpec(SpecModel):
     mode: Literal["butterfly", "allreduce"] = Field(
         "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean.")
     rounds: int = Field(ge=1, le=MAX_STEPS, description="Outer rounds; every learner synchronises once per round.")
-    inner_lr: float = Field(3e-3, gt=0, description="Peak AdamW learning rate of the inner steps and the baseline.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps of the inner schedule.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
     inter_island_every: int = Field(
         1, ge=1, le=MAX_STEPS,
@@ -264,15 +279,6 @@ class SyncSpec(SpecModel):
                     "retry budgets. Empty: that plus 10 minutes.")
     transport: TransportSpec = Field(default_factory=TransportSpec,
                                      description="Fragments, overlap, compression and bandwidth of the exchanges.")
-    checkpoint_every: int = Field(
-        1, ge=1, le=MAX_STEPS,
-        description="Rounds between a learner's checkpoints; the last round and a round a capacity window ends "
-                    "after are always checkpointed. A restart replays at most this many rounds.")
-    keep_checkpoints: int | None = Field(
-        2, ge=1, le=MAX_STEPS,
-        description="Newest committed checkpoints each learner keeps; older ones are retired, and so is a "
-                    "message once every learner that could read it has committed a checkpoint of a later round. "
-                    "The bpb curve's rounds keep their weights alone, whatever this says. Empty: keep everything.")
 
 
     @model_validator(mode="after")
@@ -287,7 +293,7 @@ class BaselineSpec(SpecModel):
     """Standard training, the run's yardstick. Tuned on its own (see bench/quality.py): a baseline held
     to the islands' learning rate and batch would flatter the islands."""
 
-    lr: float | None = Field(None, gt=0, description="Peak AdamW learning rate; defaults to sync.inner_lr.")
+    lr: float | None = Field(None, gt=0, description="Peak AdamW learning rate; defaults to training.lr.")
     global_batch: int | None = Field(
         None, ge=1, le=MAX_BATCH, description="Rows per step; defaults to the sum of the learners' batch sizes. "
                                               "The token count stays the islands run's either way.")
@@ -304,6 +310,8 @@ class RunSpec(SpecModel):
                                       description="Compute islands taking part in the run.")
     model: ModelSpec = Field(default_factory=ModelSpec, description="The byte-level decoder-only transformer.")
     data: DataSpec = Field(description="Training corpora and held-out evaluations.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec,
+                                   description="How each learner trains between exchanges, and checkpoints.")
     sync: SyncSpec = Field(description="How learners synchronise.")
     baseline: BaselineSpec = Field(default_factory=BaselineSpec, description="Standard training it is measured against.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")

@@ -98,13 +98,14 @@ def no_prefect_server_left_at_exit():
 def two_learner_run(tmp_path):
     """Prepares a run of two one-learner islands in a local store, from small text files.
 
-    Call it with the model, island and sync settings a test needs; it returns the spec and the run's store.
+    Call it with the model, island, training and sync settings a test needs; it returns the spec and the run's store.
     """
     corpus = corpus_folder(tmp_path)
     for i in range(6):
         (corpus / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
-    def prepare(name: str, layers: int, inner_steps: int, run_id: str = "r", island: dict | None = None, **sync):
+    def prepare(name: str, layers: int, inner_steps: int, run_id: str = "r", island: dict | None = None,
+                training: dict | None = None, **sync):
         spec = parse_spec({
             "name": name,
             "islands": [{"name": name_, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": inner_steps,
@@ -112,7 +113,8 @@ def two_learner_run(tmp_path):
             "model": {"layers": layers, "width": 16, "heads": 2},
             "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                                   "eval_fraction": 0.2}]},
-            "sync": {"mode": "butterfly", "warmup_steps": 1, **sync},
+            "training": {"warmup_steps": 1, **(training or {})},
+            "sync": {"mode": "butterfly", **sync},
             "store": {"url": str(tmp_path / "store")},
         })
         store = ObjectStore(spec.store.url).child(f"runs/{run_id}")

@@ -35,7 +35,7 @@ def test_the_brief_config_has_the_brief_shape():
 def test_the_single_learner_keeps_the_recipe_without_peers():
     islands, single = brief.BriefArm("islands", 1).spec(), brief.BriefArm("single", 1).spec()
     assert len(single.learners) == 1 and single.islands[0].inner_steps == islands.islands[0].inner_steps
-    assert single.sync.outer == islands.sync.outer and single.sync.inner_lr == islands.sync.inner_lr
+    assert single.sync.outer == islands.sync.outer and single.training == islands.training
     assert single.sync.transport.fragments == islands.sync.transport.fragments
 
 

@@ -59,7 +59,8 @@ def prepare_two_sites(west_server, tmp_path, sync: dict):
         "model": {"layers": 1, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus_folder(tmp_path) / "doc*.txt")],
                               "eval_fraction": 0.2}]},
-        "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 1, "partner_timeout_s": 60, **sync},
+        "training": {"warmup_steps": 1},
+        "sync": {"mode": "butterfly", "rounds": 4, "partner_timeout_s": 60, **sync},
         "store": {"url": f"s3://archipelago/sites/{tmp_path.name}"},
     })
     run = run_store(spec.store, "r")

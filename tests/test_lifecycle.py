@@ -22,7 +22,8 @@ TINY = {
         {"name": "code", "source": "python_stdlib", "max_documents": 24, "eval_fraction": 0.2,
          "max_eval_bytes": 20000},
     ]},
-    "sync": {"mode": "butterfly", "rounds": 4, "warmup_steps": 2, "partner_timeout_s": 60},
+    "training": {"warmup_steps": 2},
+    "sync": {"mode": "butterfly", "rounds": 4, "partner_timeout_s": 60},
     "store": {"url": "s3://archipelago/e2e"},
 }
 
@@ -33,7 +34,7 @@ def test_lifecycle_on_s3_with_a_torchrun_learner(mode, s3_env, prefect_api):
     from training.stages import new_run_id
 
     # Every message is kept (keep_checkpoints empty): the byte counts below are recomputed from them.
-    spec = parse_spec({**TINY, "sync": {**TINY["sync"], "mode": mode, "keep_checkpoints": None}})
+    spec = parse_spec({**TINY, "training": {**TINY["training"], "keep_checkpoints": None}, "sync": {**TINY["sync"], "mode": mode}})
     report = run_lifecycle(spec, new_run_id(spec))
 
     assert set(report["evals"]) == {"prose", "code"}

@@ -89,7 +89,8 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 "model": {"layers": 1, "width": 32, "heads": 2},
                 "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                                       "eval_fraction": 0.2}]},
-                "sync": {"mode": "butterfly", "rounds": 3, "warmup_steps": 1, "partner_timeout_s": 60},
+                "training": {"warmup_steps": 1},
+                "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 60},
                 "store": {"url": "s3://east-runs/archipelago", "endpoint_url": east.endpoint_url},
             }))
             spec = load_spec(config)

@@ -69,8 +69,8 @@ def test_keeping_everything_retires_nothing(store):
 @pytest.mark.parametrize("every", [1, 3])
 def test_a_run_leaves_a_bounded_footprint_and_a_restart_resumes_from_its_newest_checkpoint(two_learner_run, every):
     rounds = 10
-    spec, store = two_learner_run("retention", layers=1, inner_steps=2, rounds=rounds, checkpoint_every=every,
-                                  keep_checkpoints=2)
+    spec, store = two_learner_run("retention", layers=1, inner_steps=2, rounds=rounds,
+                                  training={"checkpoint_every": every, "keep_checkpoints": 2})
     learners = [Learner(spec, store, i) for i in range(2)]
     for learner in learners:
         learner.resume()  # records its first life, so that the restart below is a second one
@@ -113,7 +113,7 @@ def test_a_replayed_curve_round_keeps_the_weights_first_committed(store):
 
 
 def test_a_window_end_checkpoints_the_last_round_it_finished_whatever_the_cadence(two_learner_run):
-    spec, store = two_learner_run("cadence", layers=1, inner_steps=2, rounds=12, checkpoint_every=5,
+    spec, store = two_learner_run("cadence", layers=1, inner_steps=2, rounds=12, training={"checkpoint_every": 5},
                                   partner_timeout_s=0.2)
     learner = Learner(spec, store, 0)
     learner.resume()

@@ -44,7 +44,8 @@ def signed_run(tmp_path, monkeypatch):
         "model": {"layers": 1, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
-        "sync": {"mode": "butterfly", "warmup_steps": 1, "rounds": 3, "partner_timeout_s": 0.5},
+        "training": {"warmup_steps": 1},
+        "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 0.5},
         "store": {"url": str(tmp_path / "store")},
         "signing": sections[CONTROL],
     })

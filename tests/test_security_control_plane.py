@@ -155,7 +155,8 @@ def test_an_island_runs_one_segment_of_a_run_at_a_time(control_plane, tmp_path):
         "model": {"layers": 1, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
-        "sync": {"warmup_steps": 1, "rounds": 100_000, "partner_timeout_s": 300},
+        "training": {"warmup_steps": 1},
+        "sync": {"rounds": 100_000, "partner_timeout_s": 300},
         "store": {"url": str(tmp_path / "store")},
     })
     store = ObjectStore(spec.store.url).child("runs/twice")

@@ -43,7 +43,7 @@ def store_errors(**fault):
 
 BAD_SPECS = [
     # (what is tried, edit of the raw spec, field the error must name)
-    ("inf learning rate", lambda r: r["sync"].update(inner_lr=float("inf")), "sync.inner_lr"),
+    ("inf learning rate", lambda r: r.setdefault("training", {}).update(lr=float("inf")), "training.lr"),
     ("'inf' as a string", lambda r: r["sync"].update(outer={"lr": "inf"}), "sync.outer.lr"),
     ("inf partner timeout", lambda r: r["sync"].update(partner_timeout_s=float("inf")), "sync.partner_timeout_s"),
     ("inf retry budget", lambda r: r["store"].update(retry_budget_s=float("inf")), "store.retry_budget_s"),

@@ -50,7 +50,8 @@ def endless_learner_run(tmp_path: Path, processes: int, learners: int = 1,
         "model": {"layers": 2, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
-        "sync": {"warmup_steps": 1, "rounds": 100_000, "partner_timeout_s": 300},
+        "training": {"warmup_steps": 1},
+        "sync": {"rounds": 100_000, "partner_timeout_s": 300},
         "store": {"url": str(tmp_path / "store")},
     })
     store = ObjectStore(spec.store.url).child(f"runs/{run_id}")

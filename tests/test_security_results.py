@@ -32,7 +32,8 @@ def tiny_spec(root: pathlib.Path, name: str = "sec", signing: dict | None = None
         "model": {"layers": 2, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                               "eval_fraction": 0.2}]},
-        "sync": {"mode": "butterfly", "rounds": 2, "warmup_steps": 1, "partner_timeout_s": 60},
+        "training": {"warmup_steps": 1},
+        "sync": {"mode": "butterfly", "rounds": 2, "partner_timeout_s": 60},
         "store": {"url": str(root / "store")},
         **({"signing": signing[CONTROL]} if signing else {}),
     })

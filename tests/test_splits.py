@@ -26,7 +26,8 @@ def spec_of(tmp_path: Path, corpus: dict, seed: int = 0, **data) -> object:
         "islands": [{"name": "a", "learners": 2, "batch_size": 2, "seq_len": 16, "inner_steps": 1}],
         "model": {"layers": 2, "width": 16, "heads": 2},
         "data": {"corpora": [corpus], **data},
-        "sync": {"mode": "butterfly", "rounds": 1, "warmup_steps": 1},
+        "training": {"warmup_steps": 1},
+        "sync": {"mode": "butterfly", "rounds": 1},
         "store": {"url": str(tmp_path / "store")},
     })
 

@@ -18,7 +18,7 @@ from training.model.params import flat_parameters
 def run(two_learner_run):
     def make(partner_timeout_s=30, outer=None, run_id="r", keep_checkpoints=2, **transport):
         return two_learner_run("streaming", layers=2, inner_steps=3, run_id=run_id, rounds=6,
-                               partner_timeout_s=partner_timeout_s, keep_checkpoints=keep_checkpoints,
+                               partner_timeout_s=partner_timeout_s, training={"keep_checkpoints": keep_checkpoints},
                                **({"outer": outer} if outer else {}),
                                transport={"fragments": 2, "tau": 1, "compression": "int8", **transport})
 

@@ -81,11 +81,11 @@ def accumulate_gradients(model, plan: BaselinePlan, samplers: dict[int, WindowSa
 
 
 def baseline_lr(spec: RunSpec) -> float:
-    return spec.baseline.lr or spec.sync.inner_lr
+    return spec.baseline.lr or spec.training.lr
 
 
 def baseline_optimizer(spec: RunSpec, model) -> torch.optim.Optimizer:
-    return inner_optimizer(model.parameters(), baseline_lr(spec), spec.sync.weight_decay)
+    return inner_optimizer(model.parameters(), baseline_lr(spec), spec.training.weight_decay)
 
 
 def all_reduce_gradients(model: torch.nn.Module) -> int:
@@ -132,7 +132,7 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
             began = time.monotonic()
             gradient_bytes = rank.sum_gradients(model)
             summing += time.monotonic() - began
-        optimizer_step(model, optimizer, learning_rate(step, steps, baseline_lr(spec), spec.sync.warmup_steps))
+        optimizer_step(model, optimizer, learning_rate(step, steps, baseline_lr(spec), spec.training.warmup_steps))
         tokens += total
         if step in snapshots and step != steps - 1:
             commit_derived(store, layout.baseline_snapshot(step), {"weights": flat_parameters(model)},

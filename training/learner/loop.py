@@ -57,7 +57,7 @@ class Learner:
         self.device = torch.device(self.slot.island.device if self.slot.island.device == "cpu"
                                    else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         self.model = build_model(spec).to(self.device)
-        self.inner = inner_optimizer(self.model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
+        self.inner = inner_optimizer(self.model.parameters(), spec.training.lr, spec.training.weight_decay)
         self.transport = Transport.of(self.store, spec.sync.transport, read_from=self.stores.learner)
         self.lives = Lives(self.stores.learner, spec.sync.rounds)
         self.faults = LearnerFaults(spec, self.stores, index)
@@ -73,7 +73,7 @@ class Learner:
         self.curve_rounds = set(curve_rounds(spec.sync.rounds))
         self.checkpoints = Checkpointer(self.store, self.transport, self.ledger,
                                         spec.sync.transport.checkpoint_in_background,
-                                        Retention(self.stores.learner, index, len(spec.learners), spec.sync.keep_checkpoints))
+                                        Retention(self.stores.learner, index, len(spec.learners), spec.training.keep_checkpoints))
         self.checkpointed = -1  # the newest round this life has checkpointed
         self.pending: Exchange | None = None
         self._sync_seconds = 0.0
@@ -196,7 +196,7 @@ class Learner:
         return loss
 
     def _checkpoint_due(self, t: int) -> bool:
-        return (t + 1) % self.spec.sync.checkpoint_every == 0 or t == self.spec.sync.rounds - 1
+        return (t + 1) % self.spec.training.checkpoint_every == 0 or t == self.spec.sync.rounds - 1
 
     def _checkpoint(self, t: int, weights: torch.Tensor | None = None) -> None:
         tensors, meta = self.state.state_dict(self.pending, weights)
@@ -218,7 +218,7 @@ class Learner:
             if self.world > 1:
                 average_gradients(self.model, self.world)
             optimizer_step(self.model, self.inner, learning_rate(round_index * island.inner_steps + h, total,
-                                                                 self.spec.sync.inner_lr, self.spec.sync.warmup_steps))
+                                                                 self.spec.training.lr, self.spec.training.warmup_steps))
             losses.append(loss.item())
             watchdog.progress()
             if self.pending is not None and self.exchanger.due(h + 1):

@@ -1,10 +1,10 @@
 """What a learner keeps in its store: its newest checkpoints, the weights the bpb curve scores, and
 the messages a peer may still read.
 
-Every round adds a message, and every `sync.checkpoint_every` rounds a checkpoint; kept for good,
+Every round adds a message, and every `training.checkpoint_every` rounds a checkpoint; kept for good,
 they would grow with every round the run lasts. After each checkpoint it commits, a learner retires
 
-  * its checkpoints older than the newest `sync.keep_checkpoints` committed ones, those of the
+  * its checkpoints older than the newest `training.keep_checkpoints` committed ones, those of the
     rounds the bpb curve scores included: the curve reads the weights-only objects of those rounds
     (`layout.curve_weights`), which are never retired: the curve is scored once training is over,
     and they are `schedule.CURVE_POINTS` per learner however many rounds the run lasts;

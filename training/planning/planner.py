@@ -294,7 +294,7 @@ def _profile_learner(raw_spec: dict, learner: int, steps: int, threads: int, sta
     spec = RunSpec.model_validate(raw_spec)
     island = spec.learners[learner].island
     model = build_model(spec)
-    optimizer = inner_optimizer(model.parameters(), spec.sync.inner_lr, spec.sync.weight_decay)
+    optimizer = inner_optimizer(model.parameters(), spec.training.lr, spec.training.weight_decay)
     rows = island.batch_size // island.processes_per_learner
     data = torch.randint(0, 256, (rows, island.seq_len + 1), generator=torch.Generator().manual_seed(learner))
     ready = time.monotonic() - began
@@ -306,6 +306,6 @@ def _profile_learner(raw_spec: dict, learner: int, steps: int, threads: int, sta
             loss = model.loss(data[:, :-1], data[:, 1:])
         optimizer.zero_grad(set_to_none=False)
         loss.backward()
-        optimizer_step(model, optimizer, spec.sync.inner_lr)
+        optimizer_step(model, optimizer, spec.training.lr)
         times.append(time.perf_counter() - step_began)
     results.put((learner, statistics.median(times[1:]), ready))  # the first step pays for allocation
