@@ -224,6 +224,21 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def deploy(args: argparse.Namespace) -> int:
+    """The work pools and deployments of a spec's islands, on the Prefect server that PREFECT_API_URL
+    names (with PREFECT_API_AUTH_STRING when it asks for one); workers are started at each site."""
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
+        return 2
+    from flows.serve import pools_of, register
+
+    for name, deployment_id in register(spec).items():
+        print(f"deployment {name}: {deployment_id}")
+    print("start a worker per pool, where the project is installed: "
+          + "; ".join(f"prefect worker start --pool {pool}" for pool in pools_of(spec)))
+    return 0
+
+
 def keys(args: argparse.Namespace) -> int:
     """A signing key pair per writer (the control plane and each named island, infra/authority.py): each
     private key into a file of its own that only its owner can read, never to the terminal; the spec's
@@ -298,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--home", default=".archipelago/prefect", help="the server's PREFECT_HOME")
     serve_parser.add_argument("--logs", default=".archipelago/logs", help="server and worker logs")
     serve_parser.set_defaults(handler=serve)
+    deploy_parser = commands.add_parser(
+        "deploy", help="create the work pools (locked job template) and deployments of a spec's islands on the "
+                       "Prefect server of PREFECT_API_URL")
+    deploy_parser.add_argument("config", help="run spec: its islands get work pools, and the lifecycle's form defaults to it")
+    deploy_parser.set_defaults(handler=deploy)
     keys_parser = commands.add_parser(
         "keys", help="make signing key pairs for the control plane and islands, and print the spec's signing sections")
     keys_parser.add_argument("islands", nargs="+", help="the islands' names, as in the spec")

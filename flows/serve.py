@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from dateutil.rrule import DAILY, rrule
+from prefect.deployments.runner import EntrypointType
 
 from infra.spec import RunSpec
 from infra.windows import CapacityWindow
@@ -218,28 +219,35 @@ def lifecycle_description(spec: RunSpec, now: datetime) -> str:
             f"\n\n{windows_table(window_rows(spec))}")
 
 
-def register(spec: RunSpec, root: Path = REPO_ROOT) -> dict[str, str]:
-    """Work pools and deployments for this spec's islands; returns {deployment name: id}."""
+def register(spec: RunSpec) -> dict[str, str]:
+    """Work pools (with the locked job template) and deployments for this spec's islands, on the server
+    the Prefect client is pointed at; returns {deployment name: id}.
+
+    Each deployment's entrypoint is its flow's module path (`flows.deployments.segment`): a worker runs
+    it from the project as installed in the worker's Python, with no pull step and no path of the
+    machine that registered it, so a remote site needs only `pip install` of the same commit."""
     from flows.deployments import archipelago, plan, segment
 
     asyncio.run(_ensure_process_pools(pools_of(spec)))
     now = datetime.now(timezone.utc)
-    ids = {LIFECYCLE_DEPLOYMENT: archipelago.from_source(str(root), "flows/deployments.py:archipelago").deploy(
-        name="lifecycle", work_pool_name=CONTROL_POOL,
-        parameters={"spec": spec.model_dump(mode="json")},
-        schedules=capacity_schedules(spec, now), description=lifecycle_description(spec, now),
-        print_next_steps=False, ignore_warnings=True)}
-    ids[PLAN_DEPLOYMENT] = plan.from_source(str(root), "flows/deployments.py:plan").deploy(
-        name="plan", work_pool_name=CONTROL_POOL,
-        parameters={"spec": spec.model_dump(mode="json")}, print_next_steps=False, ignore_warnings=True,
-        description="Predict a run's utilisation, bytes and wall time on a link, without training it; with "
-                    "capacity windows, the rounds each window holds and where an island waits on another.")
+
+    def deploy(flow, name: str, pool: str, **options) -> str:
+        return str(flow.to_deployment(name=name, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
+                                      **options).apply())
+
+    ids = {LIFECYCLE_DEPLOYMENT: deploy(archipelago, "lifecycle", CONTROL_POOL,
+                                        parameters={"spec": spec.model_dump(mode="json")},
+                                        schedules=capacity_schedules(spec, now),
+                                        description=lifecycle_description(spec, now)),
+           PLAN_DEPLOYMENT: deploy(plan, "plan", CONTROL_POOL, parameters={"spec": spec.model_dump(mode="json")},
+                                   description="Predict a run's utilisation, bytes and wall time on a link, without "
+                                               "training it; with capacity windows, the rounds each window holds and "
+                                               "where an island waits on another.")}
     for island in spec.islands:
         pool = island_pool(island.name)
-        ids[f"segment/{pool}"] = segment.from_source(str(root), "flows/deployments.py:segment").deploy(
-            name=pool, work_pool_name=pool, print_next_steps=False, ignore_warnings=True,
-            description=f"Training segments of island {island.name}, started by the lifecycle per capacity window.")
-    return {name: str(deployment_id) for name, deployment_id in ids.items()}
+        ids[f"segment/{pool}"] = deploy(segment, pool, pool, description=f"Training segments of island "
+                                        f"{island.name}, started by the lifecycle per capacity window.")
+    return ids
 
 
 @contextmanager

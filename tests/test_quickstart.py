@@ -1,12 +1,12 @@
 """The README's two-site quick start, followed on one machine the way a user follows it: a SeaweedFS
 server per site, one Prefect server asking for an auth string (started as `archipelago serve` starts
-it), the sites' keys as Secret blocks, the work pools made with the locked job template, `prefect
-deploy --all`, one worker per pool with the environment the quick start names, and the run started from the
-`lifecycle` deployment with `prefect deployment run`, all through the `prefect` command line."""
+it), the sites' keys as Secret blocks, the pools and deployments made by `archipelago deploy`, one
+worker per pool with the environment the quick start names, started outside the repository (a site
+has the project installed, not this checkout's path), and the run started from the `lifecycle`
+deployment with `prefect deployment run`."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
@@ -17,7 +17,7 @@ from contextlib import ExitStack
 import pytest
 import yaml
 
-from flows.serve import AUTH_STRING_ENV, REPO_ROOT, _started, locked_job_template, prefect_server
+from flows.serve import AUTH_STRING_ENV, _started, prefect_server
 from infra import layout
 from infra.seaweed import seaweed_server
 from infra.spec import load_spec
@@ -31,11 +31,11 @@ RUN_TIMEOUT_S = 420
 POOLS = ("archipelago", "island-east", "island-west")
 
 
-def prefect(*args: str, env: dict, stdin: str | None = None, timeout: float = 120) -> str:
-    """A `prefect` command run from the repository root, as the quick start runs it; its output."""
-    done = subprocess.run([sys.executable, "-m", "prefect", *args], cwd=REPO_ROOT, env=env, input=stdin, text=True,
-                          capture_output=True, timeout=timeout)
-    assert done.returncode == 0, f"prefect {' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+def command(*args: str, env: dict, cwd, timeout: float = 120) -> str:
+    """A command of the quick start (`prefect`, `archipelago`) run from `cwd`; its output."""
+    done = subprocess.run([sys.executable, "-m", *args], cwd=cwd, env=env, text=True, capture_output=True,
+                          timeout=timeout)
+    assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
 
@@ -70,14 +70,6 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 for site, server in (("east", east), ("west", west)):
                     Secret(value={"aws_access_key_id": server.access_key,
                                    "aws_secret_access_key": server.secret_key}).save(f"{site}-store-keys")
-            # 3. The pools, with the job template that lets no run choose its command, environment or folder;
-            # then the deployments of prefect.yaml.
-            job_template = tmp_path / "job.json"
-            job_template.write_text(json.dumps(locked_job_template()))
-            for pool in POOLS:
-                prefect("work-pool", "create", pool, "--type", "process", "--base-job-template", str(job_template),
-                        env=client_env)
-            prefect("deploy", "--all", env=client_env)
             # 4. The spec: each island's store on its own site, keys from its block.
             config = tmp_path / "two-sites.yaml"
             config.write_text(yaml.safe_dump({
@@ -94,19 +86,23 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 "store": {"url": "s3://east-runs/archipelago", "endpoint_url": east.endpoint_url},
             }))
             spec = load_spec(config)
-            # 5. A worker per pool. Each needs the run store's key; an island's own keys come from its block.
+            # 5. The pools, with the job template that lets no run choose its command, environment or folder,
+            # and the deployments, from the spec.
+            command("flows.cli", "deploy", str(config), env=client_env, cwd=tmp_path)
+            # 6. A worker per pool, in a folder of its own. Each needs the run store's key; an island's own keys come from its block.
             # The control plane's needs the data root too (this session's, already in the environment).
             worker_env = worker_environment(client_env, east)
             with ExitStack() as workers:
                 for pool in POOLS:
-                    workers.enter_context(_started([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool],
-                                                   worker_env, logs / f"worker-{pool}.log"))
-                # 7. The run, from the lifecycle deployment, its parameter the spec.
-                started = prefect("deployment", "run", "archipelago/lifecycle", "--params", "-", "--watch",
+                    site = tmp_path / f"site-{pool}"
+                    site.mkdir()
+                    workers.enter_context(_started(["env", "-C", str(site), sys.executable, "-m", "prefect", "worker",
+                                                    "start", "--pool", pool], worker_env, logs / f"worker-{pool}.log"))
+                # 7. The run, from the lifecycle deployment, whose form defaults to the spec.
+                started = command("prefect", "deployment", "run", "archipelago/lifecycle", "--watch",
                                   "--watch-interval", "2", "--watch-timeout", str(RUN_TIMEOUT_S), env=client_env,
-                                  stdin=json.dumps({"spec": yaml.safe_load(config.read_text())}),
-                                  timeout=RUN_TIMEOUT_S + 60)
-        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started).group(1)  # `prefect()` saw it end Completed
+                                  cwd=tmp_path, timeout=RUN_TIMEOUT_S + 60)
+        flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started).group(1)  # `command()` saw it end Completed
 
         # Where the results appear: the report in the run's store, each learner's summary in its island's.
         run_id = f"quickstart-{flow_run_id.replace('-', '')}"

@@ -44,3 +44,15 @@ def test_missing_file_and_bad_yaml_are_named(tmp_path):
     bad.write_text("islands: [\n")
     with pytest.raises(SpecError, match="not valid YAML"):
         load_spec(bad)
+
+
+# The brief's tuning candidates (overrides laid over configs/brief.yaml) and the 32B planning input,
+# larger than a learner here may hold, are not run specs.
+NOT_RUN_SPECS = {"brief-candidates.yaml", "plan-brief-32b.yaml"}
+
+
+@pytest.mark.parametrize("config", sorted(p.name for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")
+                                          if p.name not in NOT_RUN_SPECS))
+def test_every_shipped_run_config_is_a_valid_spec(config):
+    spec = load_spec(Path(__file__).parents[1] / "configs" / config)
+    assert spec.sync.rounds >= 1 and spec.learners
