@@ -19,8 +19,8 @@ Arms, in order:
 An arm whose run spec equals a finished arm's is not trained again: that arm's result is copied (the
 brief's seed 0 is the chosen candidate's run). Each arm trains holding the lock on /work/cpu.lock
 (the host's cores are shared), writes `arms/<arm>.json` when it finishes, so a rerun resumes arm by
-arm; progress with an ETA goes to `progress.log`; `tuning.md`, `table.md`, `summary.json` and the
-page docs/results/brief.md are rebuilt after every arm from the finished arms.
+arm; progress with an ETA goes to `progress.log`; `summary.json` and the pages docs/results/brief.md
+and brief-tuning.md are rebuilt after every arm from the finished arms.
 
     .venv/bin/python -m bench.brief                  # everything still to run
     .venv/bin/python -m bench.brief --candidates     # only the tuning candidates still to run
@@ -44,7 +44,7 @@ import yaml
 
 from bench import quality
 from bench.harness import Log, cpu_lock
-from bench.results_page import write_results_page
+from bench.results_page import recorded, write_results_page
 from infra.spec import RunSpec, parse_spec
 
 RESULTS = Path("bench/results/brief")
@@ -355,7 +355,7 @@ def table_markdown(summary: dict) -> str:
                          if summary["utilisation_runs"] is not None else "") + "."]
     if summary["still_to_run"]:
         lines += ["", f"Not finished yet: {', '.join(summary['still_to_run'])}."]
-    lines += ["", "Tuning: `bench/results/brief/tuning.md`. Reproduce: `.venv/bin/python -m bench.brief`."]
+    lines += ["", "Tuning: [brief-tuning.md](brief-tuning.md). Reproduce: `.venv/bin/python -m bench.brief`."]
     return "\n".join(lines) + "\n"
 
 
@@ -396,11 +396,13 @@ def write_tables(log: Log | None = None) -> None:
     summary = build_summary(results)
     (RESULTS / "summary.json").write_text(json.dumps(summary, indent=1))
     markdown = table_markdown(summary)
-    (RESULTS / "table.md").write_text(markdown)
-    write_results_page("brief", markdown, sources="bench/results/brief", command="python -m bench.brief --table")
-    (RESULTS / "tuning.md").write_text(tuning_markdown(summary, results))
+    measured = recorded(list(results.values()))
+    write_results_page("brief", markdown, sources="bench/results/brief", command="python -m bench.brief --table",
+                       **measured)
+    write_results_page("brief-tuning", tuning_markdown(summary, results), sources="bench/results/brief",
+                       command="python -m bench.brief --table", **measured)
     if log:
-        log(f"tables written: {RESULTS / 'table.md'}, {RESULTS / 'tuning.md'}")
+        log("pages written: docs/results/brief.md, docs/results/brief-tuning.md")
 
 
 def main(argv: list[str] | None = None) -> int:

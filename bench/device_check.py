@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bench.harness import Log, train_islands
+from bench.results_page import provenance
 from eval.evaluate import heldout_bpb
 from infra import layout
 from infra.spec import RunSpec, load_spec
@@ -98,7 +99,7 @@ def run(args) -> None:
         raise SystemExit("no CUDA device: run `prepare` here and `run` on the GPU machine")
     log = Log(Path(args.out).with_suffix(".log"))
     props = torch.cuda.get_device_properties(0)
-    result = {"torch": torch.__version__, "device": props.name, "capability": f"{props.major}.{props.minor}",
+    result = {**provenance(), "torch": torch.__version__, "device": props.name, "capability": f"{props.major}.{props.minor}",
               "memory_gib": round(props.total_memory / 2**30, 1), "bf16_supported": torch.cuda.is_bf16_supported(),
               "nccl": nccl_all_reduce(), "runs": {}}
     log(json.dumps({k: v for k, v in result.items() if k != "runs"}))

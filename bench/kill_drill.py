@@ -11,8 +11,9 @@ kill, wall time within 1.3x and bpb within 0.5% of the run without it.
     .venv/bin/python -m bench.kill_drill                    # both arms, --repeats runs each
     .venv/bin/python -m bench.kill_drill --kill-learner 5 --kill-round 20   # the torchrun learner (2 processes)
 
-Results: `bench/results/kill_drill_learner<L>_round<R>.json` (every run) and `.md` (medians),
-written after each run; a rerun resumes where the last stopped. Progress: `bench/results/kill_drill.log`.
+Results: `bench/results/kill_drill_learner<L>_round<R>.json` (every run, written after each; a
+rerun resumes where the last stopped) and the page `docs/results/kill-drill-learner<L>-round<R>.md`
+(medians). Progress: `bench/results/kill_drill.log`.
 """
 
 from __future__ import annotations
@@ -30,13 +31,12 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import Log, train_islands
+from bench.harness import Log, new_run, train_islands
+from bench.results_page import provenance, recorded, write_results_page
 from eval.evaluate import heldout_bpb
 from infra import layout
 from infra.launch import LEARNER_MODULE
 from infra.spec import parse_spec
-from infra.store import run_store
-from training.data.shards import prepare_dataset
 from training.learner.ledger import read_summaries
 
 RESULTS = Path("bench/results")
@@ -94,10 +94,7 @@ def kill_when_due(store, run_id: str, learner: int, kill_round: int, log: Log, d
 def run_arm(kill: bool, args, log: Log) -> dict:
     store_url = str(Path(".archipelago/bench-kill-drill").resolve())
     spec = parse_spec(drill_spec(store_url))
-    run_id = f"{'kill' if kill else 'clean'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    store = run_store(spec.store, run_id)
-    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-    prepare_dataset(spec, store)
+    run_id, store, _ = new_run(spec, "kill" if kill else "clean")
     done = threading.Event()
     killer = threading.Thread(target=kill_when_due, args=(store, run_id, args.kill_learner, args.kill_round, log, done),
                               daemon=True) if kill else None
@@ -108,7 +105,7 @@ def run_arm(kill: bool, args, log: Log) -> dict:
     wall = time.monotonic() - started
     done.set()
     summaries = read_summaries(spec, store)
-    result = {"arm": arm_name(kill, args), "wall_s": round(wall, 1),
+    result = {**provenance(), "arm": arm_name(kill, args), "wall_s": round(wall, 1),
               "bpb": heldout_bpb(spec, store, layout.CONSOLIDATED),
               "max_weight_distance": consensus["max_weight_distance"],
               "missed_exchanges": [dict(m, learner=s.learner) for s in summaries for m in s.missed_exchanges],
@@ -165,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run_arm(kill, args, log))
             log(f"  {arm}: {runs[-1]['wall_s']} s, bpb {runs[-1]['bpb']}")
             path.write_text(json.dumps({"runs": runs}, indent=1))
-            path.with_suffix(".md").write_text(markdown(runs))
-    print(markdown(runs))
+    page = write_results_page(path.stem.replace("_", "-"), markdown(runs), sources=str(path),
+                              command=f"python -m bench.kill_drill --kill-learner {args.kill_learner} "
+                                      f"--kill-round {args.kill_round}", **recorded(runs))
+    print(page.read_text())
     return 0
 
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 from bench.harness import cpu_lock
+from bench.results_page import provenance, write_results_page
 from infra import layout
 from infra.spec import RunSpec, load_spec
 from infra.store import run_store
@@ -71,8 +70,7 @@ def measure(config: str, rounds: int) -> dict:
 
 
 def markdown(results: dict) -> str:
-    lines = [f"# Learner path against standard training, tokens per second ({results['cores']} cores, "
-             f"commit {results['commit']})", "",
+    lines = [f"# Learner path against standard training, tokens per second ({results['cores']} cores)", "",
              "Same model, shards and tokens; the learners as `archipelago plan --profile-run` runs them "
              "(every round's own work included), standard training in one process on every core. "
              f"Goal: at least {GOAL}x.", "",
@@ -93,19 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                           text=True).stdout.strip()
+    measured = provenance()
     runs = []
     for config in args.configs:
         runs.append(measure(config, args.rounds))
         print(f"{config}: learner path {runs[-1]['learner_path_tokens_per_s']:,.0f} tok/s, standard "
               f"{runs[-1]['standard_tokens_per_s']:,.0f} tok/s, ratio {runs[-1]['ratio']:.2f}x", flush=True)
-    results = {"commit": commit + ("+uncommitted" if dirty else ""), "cores": os.cpu_count(),
-               "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "goal": GOAL, "runs": runs}
+    results = {**measured, "cores": os.cpu_count(), "goal": GOAL, "runs": runs}
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-    RESULTS.with_suffix(".md").write_text(markdown(results))
+    write_results_page("learner-throughput", markdown(results), sources=str(RESULTS.with_suffix(".json")),
+                       command="python -m bench.learner_throughput", **measured)
     print(markdown(results))
     return 0
 

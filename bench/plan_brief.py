@@ -2,7 +2,7 @@
 
 Plans `configs/plan-brief-32b.yaml` (32B-total MoE, 8 learners on a GB300 and a B300 island) under
 several settings of `sync.transport` with the planner (`training/planning/planner.py`), at the step times
-the config's comments derive, and writes `bench/results/plan_brief.{json,md}`. Then sets the
+the config's comments derive, and writes `bench/results/plan_brief.json` and docs/results/plan-brief.md. Then sets the
 planner against Streaming DiLoCo's published simulation (arXiv 2501.18512, Table 4: a 1B model at
 0.1 s per step, two workers, H = 100): the bandwidth per-step data parallelism and 4-bit streaming
 need for 95% compute utilisation.
@@ -16,6 +16,7 @@ import argparse
 import json
 from pathlib import Path
 
+from bench.results_page import provenance, write_results_page
 from infra.spec import load_spec, parse_spec
 from training.planning.planner import plan_run
 
@@ -42,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--link-gbps", type=float, default=25.0)
     args = parser.parse_args()
-    base = load_spec(CONFIG).model_dump(mode="json")
+    base = load_spec(CONFIG, "plan").model_dump(mode="json")
     rows = []
     for title, fragments, tau, compression, b300_steps in SETTINGS:
         steps = {island["name"]: -(-island["inner_steps"] // fragments) for island in base["islands"]}
@@ -52,13 +53,15 @@ def main() -> None:
         raw = {**base, "islands": [{**island, "inner_steps": steps[island["name"]]} for island in base["islands"]],
                "sync": {**base["sync"], "rounds": base["sync"]["rounds"] * fragments,
                         "transport": {**base["sync"]["transport"], **transport}}}
-        planned = plan_run(parse_spec(raw), STEP_SECONDS, args.link_gbps * 1e9)
+        planned = plan_run(parse_spec(raw, "plan"), STEP_SECONDS, args.link_gbps * 1e9)
         rows.append({"setting": title, "transport": transport, "inner_steps": steps, **{k: planned[k] for k in (
             "utilisation", "wall_s", "exchange_bytes", "blocked_s", "bandwidth_for_utilisation", "parameters")}})
         print(f"{title}: utilisation {planned['utilisation']:.1%}", flush=True)
-    (RESULTS / "plan_brief.json").write_text(json.dumps({"link_gbps": args.link_gbps, "step_seconds": STEP_SECONDS,
-                                                         "config": CONFIG, "settings": rows}, indent=2) + "\n")
-    lines = [f"| setting | utilisation at {args.link_gbps:g} Gbit/s | wall h | inter-island TB | "
+    measured = provenance()
+    (RESULTS / "plan_brief.json").write_text(json.dumps({**measured, "link_gbps": args.link_gbps,
+                                                         "step_seconds": STEP_SECONDS, "config": CONFIG,
+                                                         "settings": rows}, indent=2) + "\n")
+    lines = ["# The brief's 32B run on paper, and Streaming DiLoCo's published simulation", "", f"| setting | utilisation at {args.link_gbps:g} Gbit/s | wall h | inter-island TB | "
              "link for 90% | for 95% | for 99% |", "|---|---|---|---|---|---|---|"]
     for row in rows:
         need = [f"{b / 1e9:.3g} Gbit/s" if b else "not reachable"
@@ -66,8 +69,9 @@ def main() -> None:
         lines.append(f"| {row['setting']} | {row['utilisation']:.1%} | {row['wall_s'] / 3600:.2f} | "
                      f"{row['exchange_bytes']['inter'] / 1e12:.1f} | " + " | ".join(need) + " |")
     lines += ["", *published_comparison()]
-    (RESULTS / "plan_brief.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    page = write_results_page("plan-brief", "\n".join(lines), sources=str(RESULTS / "plan_brief.json"),
+                              command="python -m bench.plan_brief", **measured)
+    print(page.read_text())
 
 
 # A 1B dense model (20 blocks of width 2048), one learner per site, 0.1 s per step (the paper's inputs).

@@ -15,8 +15,8 @@ byte on the same held-out documents (`data.split_seed` fixes them, whatever the 
 bits kept per document for a paired bootstrap. Sweeps run on seed 0 and rank by the validation
 split only; the held-out sets never choose anything. Each arm writes `arms/<arm>.json` when it
 finishes, so a rerun resumes arm by arm; progress with an ETA goes to `progress.log`, and
-`table.md` / `table.json` / `tuning.md` and the page docs/results/quality.md are rebuilt after every
-arm from whatever has finished.
+`table.json` and the pages docs/results/quality.md and quality-tuning.md are rebuilt after every arm
+from whatever has finished.
 
     .venv/bin/python -m bench.quality            # everything, resuming
     .venv/bin/python -m bench.quality --table    # only rebuild the tables
@@ -37,16 +37,14 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import Log, train_islands
-from bench.results_page import write_results_page
+from bench.harness import Log, new_run, train_islands
+from bench.results_page import provenance, recorded, write_results_page
 from eval.bootstrap import paired_bootstrap
 from eval.evaluate import score_model
 from eval.report import communication
 from infra import layout
 from infra.spec import RunSpec, parse_spec
-from infra.store import run_store
 from training.baseline import BaselinePlan, train_baseline
-from training.data.shards import prepare_dataset
 from training.learner.ledger import read_summaries
 from training.model.gpt import build_model
 
@@ -221,10 +219,7 @@ def plan(results: dict[str, dict]) -> Plan:
 
 def run_arm(arm: Arm, log: Log) -> dict:
     spec = arm.spec()
-    run_id = f"{arm.name.replace('.', 'p')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    store = run_store(spec.store, run_id)
-    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-    manifest = prepare_dataset(spec, store)
+    run_id, store, manifest = new_run(spec, arm.name.replace(".", "p"))
     started = time.monotonic()
     extra = {}
     if arm.kind == "standard":
@@ -242,7 +237,7 @@ def run_arm(arm: Arm, log: Log) -> dict:
         key = layout.CONSOLIDATED
     train_seconds = time.monotonic() - started
     scores = score_model(spec, store, key, ("heldout", "validation"))
-    result = {"arm": arm.name, "kind": arm.kind, "seed": arm.seed, "family": arm.family if arm.kind != "standard" else None,
+    result = {**provenance(), "arm": arm.name, "kind": arm.kind, "seed": arm.seed, "family": arm.family if arm.kind != "standard" else None,
               "lr": arm.lr, "global_batch": arm.batch, "tokens": scores["tokens"],
               "bpb": {name: r["bpb"] for name, r in scores["heldout"].items()},
               "validation_bpb": {name: r["bpb"] for name, r in scores["validation"].items()},
@@ -250,7 +245,7 @@ def run_arm(arm: Arm, log: Log) -> dict:
                                            "bits": r["document_bits"], "bytes": r["document_bytes"]}
                                     for name, r in scores["heldout"].items()},
               "train_seconds": round(train_seconds, 1), "parameters": build_model(spec).parameter_counts(),
-              "sync": spec.sync.model_dump(mode="json"), **extra}
+              "training": spec.training.model_dump(mode="json"), "sync": spec.sync.model_dump(mode="json"), **extra}
     # Checkpoints of every round are gigabytes; the arm's figures are what the benchmark keeps.
     shutil.rmtree(Path(spec.store.url) / "runs" / run_id, ignore_errors=True)
     return result
@@ -383,7 +378,7 @@ def table_markdown(table: dict, results: dict[str, dict]) -> str:
                                                      for name, d in documents.items()) + "."]
     if table["still_to_run"]:
         lines += ["", f"Not finished yet: {', '.join(table['still_to_run'])}."]
-    lines += ["", "Tuning: `tuning.md`. Reproduce: `.venv/bin/python -m bench.quality` (resumes arm by arm; "
+    lines += ["", "Tuning: [quality-tuning.md](quality-tuning.md). Reproduce: `.venv/bin/python -m bench.quality` (resumes arm by arm; "
                   "`--table` rebuilds this file)."]
     return "\n".join(lines) + "\n"
 
@@ -412,11 +407,13 @@ def write_tables(log: Log | None = None) -> None:
     table = build_table(results)
     (RESULTS / "table.json").write_text(json.dumps(table, indent=1))
     markdown = table_markdown(table, results)
-    (RESULTS / "table.md").write_text(markdown)
-    write_results_page("quality", markdown, sources="bench/results/quality", command="python -m bench.quality --table")
-    (RESULTS / "tuning.md").write_text(tuning_markdown(results))
+    measured = recorded(list(results.values()))
+    write_results_page("quality", markdown, sources="bench/results/quality", command="python -m bench.quality --table",
+                       **measured)
+    write_results_page("quality-tuning", tuning_markdown(results), sources="bench/results/quality",
+                       command="python -m bench.quality --table", **measured)
     if log:
-        log(f"tables written: {RESULTS / 'table.md'}")
+        log("pages written: docs/results/quality.md, docs/results/quality-tuning.md")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,11 +1,34 @@
-"""A benchmark's page in docs/results/: written whole from its result files, never spliced into another page."""
+"""A benchmark's page in docs/results/: written whole from its result files, never spliced into another
+page, under the commit and date those files record (`provenance`)."""
 
 from __future__ import annotations
 
+import subprocess
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ROOT / "docs" / "results"
+
+
+def provenance() -> dict[str, str]:
+    """What a result file records of the code that measured it: the commit (marked when the working tree
+    had uncommitted changes to tracked files) and the date."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "--short", "HEAD") + ("+uncommitted" if dirty else ""),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def recorded(results: list[dict]) -> dict[str, str | None]:
+    """The commits and dates that result files made at different times record, each once (None where none do)."""
+    def distinct(field: str) -> str | None:
+        values = list(dict.fromkeys(r[field] for r in results if r.get(field)))
+        return ", ".join(values) if values else None
+
+    return {"commit": distinct("commit"), "date": distinct("date")}
 
 
 def write_results_page(name: str, markdown: str, *, sources: str, command: str, commit: str | None = None,

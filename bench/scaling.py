@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from bench.harness import Log, cpu_lock, new_run, relative_change, train_islands
-from bench.results_page import write_results_page
+from bench.results_page import provenance, recorded, write_results_page
 
 RESULTS = Path("bench/results/scaling")
 MODES = ("butterfly", "allreduce")
@@ -111,7 +111,7 @@ def run_arms(sizes: list[int], rounds: int, lock_path: str | None, log: Log) -> 
         for done, (mode, n) in enumerate(todo):
             log(f"arm {mode} N={n} ({done + 1}/{len(todo)})")
             with cpu_lock(lock_path):
-                result = measure(spec_for(mode, n, rounds, server.endpoint_url), log)
+                result = {**provenance(), **measure(spec_for(mode, n, rounds, server.endpoint_url), log)}
             arm_path(mode, n, rounds).write_text(json.dumps(result, indent=1) + "\n")
             elapsed = time.monotonic() - began
             log(f"arm {mode} N={n} done in {result['wall_s']:.0f} s: measured {json.dumps(result['measured'])}; "
@@ -127,7 +127,7 @@ def load_arms() -> list[dict]:
                   key=lambda a: (a["mode"], a["learners"]))
 
 
-def table_markdown(arms: list[dict], figure: str = "scaling.png") -> str:
+def table_markdown(arms: list[dict], figure: str) -> str:
     """The table, then the figure at `figure` (a link relative to where the Markdown lands)."""
     lines = ["# Exchange cost per learner and round against the number of learners", "",
              "Measured: the learners' own transport counters (`python -m bench.scaling`). Planned: "
@@ -181,10 +181,9 @@ def plot(arms: list[dict], path: Path) -> None:
 
 def write_tables() -> None:
     arms = load_arms()
-    (RESULTS / "table.md").write_text(table_markdown(arms))
     plot(arms, RESULTS / "scaling.png")
     write_results_page("scaling", table_markdown(arms, figure=f"../../{RESULTS}/scaling.png"), sources=str(RESULTS),
-                       command="python -m bench.scaling --table")
+                       command="python -m bench.scaling --table", **recorded(arms))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,7 +57,7 @@ Sizing. The bench configs are the demo with fewer rounds (`--rounds` overrides a
 arms fit in about 20 minutes on two shared cores; `--dp-max-steps N` runs only the first N steps of
 the standard arm and extrapolates its wall time and bytes linearly (its bpb is then not reported).
 
-Results go to bench/results/shaped_link.json and bench/results/shaped_link.md. Teardown (every
+Results go to bench/results/shaped_link.json (`--out`) and its page in docs/results/. Teardown (every
 process left in the namespaces, the namespaces, and with them the veth pair) runs in `finally`, on
 Ctrl-C and on SIGTERM. The orchestration runs inside the store's namespace (`--drive`, internal).
 
@@ -86,6 +86,7 @@ from bench.link_rates import (TARGET_UTILISATION, brief_scaled_rate_bps, calibra
                               dp_need_bps, predict, predict_standard)
 from bench.link_sites import arm_spec, credentials_env, island_sites, warm_data_cache
 from bench.netns import IslandEnd, LinkPlan, existing_namespaces, log, require_root_and_tools, run_checked, teardown
+from bench.results_page import provenance
 from bench.shaped_link_report import headline, write_reports
 
 FP32 = 4
@@ -254,7 +255,7 @@ def drive(job: dict) -> int:
     configs = {**job["configs"], OUTAGE_ARM: job["configs"].get("butterfly")}
     results = {arm: {**arm_result(configs[arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
                                                                      else {})} for arm, arm_runs in runs.items()}
-    document = {"link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
+    document = {**provenance(), "link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
                          "island_stores": sorted(island_stores)},
                 "arms": results, "targets": targets(results), "bench_seconds": time.monotonic() - started}
     out = Path(job["out"])

@@ -1,6 +1,6 @@
-"""The shaped-link bench's results: a headline per arm and the Markdown table of bench/results.
+"""The shaped-link bench's results: a headline per arm and the results page of a result file.
 
-    .venv/bin/python -m bench.shaped_link_report   # rewrite the .md and docs/results/shaped-link.md from the JSON
+    .venv/bin/python -m bench.shaped_link_report [RESULT_JSON]   # rewrite its page in docs/results/
 """
 
 from __future__ import annotations
@@ -132,14 +132,16 @@ def planned_markdown(document: dict) -> list[str]:
 
 
 def write_reports(document: dict, out: Path = RESULTS) -> str:
-    """The bench's Markdown beside its JSON, and for the main results also the page docs/results/shaped-link.md."""
-    text = markdown(document)
-    out.with_suffix(".md").write_text(text)
-    if out.resolve() == RESULTS.resolve():  # another run's results (a drill, one arm) stay beside their JSON
-        write_results_page("shaped-link", text, sources=str(RESULTS), command="python -m bench.shaped_link_report")
-    return text
+    """The results page of a result file: bench/results/shaped_link.json is docs/results/shaped-link.md,
+    bench/results/brief/shaped_link.json docs/results/brief-shaped-link.md, and so on."""
+    name = out.resolve().relative_to(RESULTS.resolve().parent).with_suffix("").as_posix()
+    page = write_results_page(name.replace("/", "-").replace("_", "-"), markdown(document), sources=str(out),
+                              command=f"python -m bench.shaped_link_report {out}",
+                              commit=document.get("commit"), date=document.get("date"))
+    return page.read_text()
 
 
 if __name__ == "__main__":
-    print(write_reports(json.loads(RESULTS.read_text())))
+    result = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS
+    print(write_reports(json.loads(result.read_text()), result))
     sys.exit(0)

@@ -5,7 +5,9 @@ with `python -m flows.cli run CONFIG`), scores each run's consolidated model on 
 evaluation, and sets its bpb against the first run's (the uncompressed reference) with a paired
 bootstrap interval over the held-out documents (same documents, both models). Communication
 figures come from the learners' summaries, as in the run report. Runs with the same model, data
-and tokens share one standard baseline, so its bpb is read from whichever run has one.
+and tokens share one standard baseline, so its bpb is read from whichever run has one. Writes the
+result file (`--out`) and its page in docs/results/, stamped with the commit that measured them
+(the runs are trained at that commit first).
 
     python -m bench.transport_quality RUN_ID [RUN_ID ...] [--store .archipelago/store]
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from bench.results_page import provenance, write_results_page
 from eval.bootstrap import paired_bootstrap
 from eval.evaluate import score_model
 from eval.report import communication
@@ -84,11 +87,15 @@ def main() -> None:
     results = [measure(store, run_id) for run_id in args.run_ids]
     for r in results:
         print(f"measured {r['run_id']}", flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    markdown = table(results).to_markdown(index=False)
-    Path(args.out).with_suffix(".md").write_text(markdown + "\n")
-    print(markdown)
+    measured = provenance()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**measured, "runs": results}, indent=2))
+    title = f"# Transport settings against the uncompressed reference ({results[0]['run_id']})"
+    page = write_results_page(out.stem.replace("_", "-"), f"{title}\n\n{table(results).to_markdown(index=False)}",
+                              sources=str(out), command=f"python -m bench.transport_quality {' '.join(args.run_ids)}",
+                              **measured)
+    print(page.read_text())
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import tempfile
 import threading
 import time
@@ -33,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.results_page import write_results_page
+from bench.results_page import provenance, write_results_page
 from infra import layout
 from infra.authority import CONTROL, Authority, generate_keypair
 from infra.seaweed import seaweed_server
@@ -208,8 +207,7 @@ def main() -> None:
         summaries = read_summaries(spec, open_run(spec, attacked["run_id"]))
     reports = {arm: arms[flag]["report"] for arm, flag in (("clean", False), ("attacked", True))}
     result = {
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(),
         "planted": attacked["planted"] + [forged],
         "refused": attacked["report"]["trust"]["refused"],
         "refused_on_resume": refused_on_resume,

@@ -9,6 +9,7 @@ import secrets
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
@@ -76,9 +77,9 @@ def _print_stages(flow_run_id) -> None:
         print(f"  {STAGE_VERBS.get(state, state.lower())}: {', '.join(sorted(names))}")
 
 
-def load_spec_or_say_why(path: str) -> RunSpec | None:
+def load_spec_or_say_why(path: str, purpose: Literal["train", "plan"] = "train") -> RunSpec | None:
     try:
-        return load_spec(path)
+        return load_spec(path, purpose)
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return None
@@ -154,7 +155,7 @@ def prepare(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> int:
     """What a run will deliver on a link, before paying for it: per island and for the run."""
-    spec = load_spec_or_say_why(args.config)
+    spec = load_spec_or_say_why(args.config, "train" if args.profile_run else "plan")
     if spec is None:
         return 2
     from tasks.planning import plan_markdown, windows_markdown

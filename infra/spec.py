@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from infra.authority import public_key_of
 from infra.fault_spec import Fault
@@ -365,7 +365,9 @@ class RunSpec(SpecModel):
         return self
 
     @model_validator(mode="after")
-    def _totals_fit(self) -> "RunSpec":
+    def _totals_fit(self, info: ValidationInfo) -> "RunSpec":
+        if (info.context or {}).get("purpose") == "plan":
+            return self  # a plan on paper trains nothing here: any size may be planned
         processes = sum(i.learners * i.processes_per_learner for i in self.islands)
         if processes > MAX_LEARNER_PROCESSES:
             raise ValueError(f"islands: {processes} learner processes (learners x processes_per_learner over all "
@@ -452,16 +454,17 @@ def spec_sha256(spec: "RunSpec | dict") -> str:
     return sha256(canonical_json(spec.model_dump(mode="json") if isinstance(spec, RunSpec) else spec))
 
 
-def parse_spec(raw: dict) -> RunSpec:
+def parse_spec(raw: dict, purpose: Literal["train", "plan"] = "train") -> RunSpec:
+    """`purpose` "plan": a spec only planned, never trained here, so not held to what a learner here can hold."""
     try:
-        return RunSpec.model_validate(raw)
+        return RunSpec.model_validate(raw, context={"purpose": purpose})
     except ValidationError as err:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in err.errors())
         raise SpecError(f"invalid run spec: {problems}") from None
 
 
-def load_spec(path: str | Path) -> RunSpec:
+def load_spec(path: str | Path, purpose: Literal["train", "plan"] = "train") -> RunSpec:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"run spec not found: {path}")
@@ -471,5 +474,5 @@ def load_spec(path: str | Path) -> RunSpec:
         raise SpecError(f"run spec {path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"run spec {path} must be a mapping at the top level")
-    return parse_spec(raw)
+    return parse_spec(raw, purpose)
 

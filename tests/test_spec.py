@@ -56,3 +56,10 @@ NOT_RUN_SPECS = {"brief-candidates.yaml", "plan-brief-32b.yaml"}
 def test_every_shipped_run_config_is_a_valid_spec(config):
     spec = load_spec(Path(__file__).parents[1] / "configs" / config)
     assert spec.sync.rounds >= 1 and spec.learners
+
+
+def test_a_spec_too_large_to_train_here_can_still_be_planned():
+    config = Path(__file__).parents[1] / "configs" / "plan-brief-32b.yaml"
+    with pytest.raises(SpecError, match="a learner can hold"):
+        load_spec(config)
+    assert load_spec(config, "plan").model.parameter_count(2048) > 30e9
