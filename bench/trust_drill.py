@@ -221,7 +221,7 @@ def main() -> None:
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=1) + "\n")
-    write_results_page("trust_drill", results_markdown(result), sources=str(RESULT),
+    write_results_page("trust-drill", results_markdown(result), sources=str(RESULT),
                        command="python -m bench.trust_drill", commit=result["commit"], date=result["date"])
     log(json.dumps({k: result[k] for k in ("refused", "refused_on_resume", "bpb_relative", "crashes",
                                            "missed_exchanges")}))
