@@ -33,7 +33,7 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
     from training.baseline import BaselinePlan
     from training.consolidate import consolidate
     from training.learner.ledger import read_summaries
-    from training.model.gpt import build_model
+    from training.model.registry import build_model
 
     run_id, store, manifest = new_run(spec, arm)
     shard_bytes = {s["learner"]: s["object"]["nbytes"] for s in manifest["shards"]}

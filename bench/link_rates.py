@@ -45,7 +45,7 @@ def calibrate_step_seconds(spec, repeats: int = 5) -> float:
     over its steps), with the threads each of its ranks gets."""
     import torch
     from training.baseline import BaselinePlan, baseline_optimizer
-    from training.model.gpt import build_model
+    from training.model.registry import build_model
 
     torch.set_num_threads(dp_threads(len(spec.islands)))
     model = build_model(spec)

@@ -46,7 +46,7 @@ from infra import layout
 from infra.spec import RunSpec, parse_spec
 from training.baseline import BaselinePlan, train_baseline
 from training.learner.ledger import read_summaries
-from training.model.gpt import build_model
+from training.model.registry import build_model
 
 RESULTS = Path("bench/results/quality")
 SEEDS = (0, 1, 2)

@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = next(iter(specs.values()))
     warm_data_cache(specs.values())  # the namespaces have no route to the package index
 
-    from training.model.gpt import build_model
+    from training.model.registry import build_model
     parameters = build_model(reference).parameter_counts()["total"]
     step_seconds = calibrate_step_seconds(reference)
     matched = dp_matched_rate_bps(parameters * FP32, step_seconds)

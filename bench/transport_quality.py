@@ -29,7 +29,7 @@ from infra.spec import RunSpec
 from infra.store import ObjectStore
 from training.baseline import BaselinePlan
 from training.learner.ledger import read_summaries
-from training.model.gpt import build_model
+from training.model.registry import build_model
 
 
 def measure(store: ObjectStore, run_id: str) -> dict:

@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from training.model.gpt import BOS
+from infra.model_spec import BOS
 
 
 @torch.no_grad()

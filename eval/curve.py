@@ -18,7 +18,7 @@ from infra.store import IntegrityError
 from infra.stores import RunStores
 from training.data.streams import read_stream
 from training.exchange.mixing import weighted_mean
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import load_flat_parameters
 from training.model.schedule import curve_rounds
 

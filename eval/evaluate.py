@@ -7,7 +7,7 @@ from infra.derived import read_derived
 from infra.spec import RunSpec
 from eval.bpb import bits_per_byte
 from training.data.streams import read_stream
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import load_flat_parameters
 
 

@@ -141,8 +141,8 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
     return "\n\n".join([
         f"# Archipelago run `{report['run_id']}`",
         f"Sync `{spec.sync.mode}`, {spec.sync.rounds} rounds, outer `{spec.sync.outer.name}` "
-        f"(lr {spec.sync.outer.lr}, momentum {spec.sync.outer.momentum}); model {spec.model.layers} layers x "
-        f"{spec.model.width} wide, {report['compute']['parameters_total']:,} parameters "
+        f"(lr {spec.sync.outer.lr}, momentum {spec.sync.outer.momentum}); model {spec.model.describe()}, "
+        f"{report['compute']['parameters_total']:,} parameters "
         f"({report['compute']['parameters_active']:,} active).",
         "## Islands", islands.to_markdown(index=False),
         "## Evaluation (bits per byte, every held-out byte scored)",

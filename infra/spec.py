@@ -17,8 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from infra.authority import public_key_of
 from infra.fault_spec import Fault
+from infra.model_spec import ModelSpec
 from infra.spec_model import (MAX_BATCH, MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_PARAMETERS, MAX_STEPS,
-                              MAX_WAIT_S, MAX_WIDTH, SEED_LIMIT, SpecModel)
+                              MAX_WAIT_S, SEED_LIMIT, SpecModel)
 from infra.store import canonical_json, sha256
 from infra.store_spec import StoreSpec
 from infra.windows import CapacityWindow
@@ -91,38 +92,6 @@ class IslandSpec(SpecModel):
     @property
     def ordered_windows(self) -> list[CapacityWindow]:
         return sorted(self.windows, key=lambda w: w.start_at)
-
-
-class MoESpec(SpecModel):
-    experts: int = Field(ge=2, le=64, description="Experts in each sparse feed-forward layer.")
-    top_k: int = Field(1, ge=1, description="Experts each token is routed to.")
-    balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the load-balancing loss.")
-
-    @model_validator(mode="after")
-    def _top_k_fits(self) -> "MoESpec":
-        if self.top_k > self.experts:
-            raise ValueError(f"top_k {self.top_k} exceeds experts {self.experts}")
-        return self
-
-
-class ModelSpec(SpecModel):
-    layers: int = Field(2, ge=1, le=64, description="Transformer blocks.")
-    width: int = Field(128, ge=8, le=MAX_WIDTH, description="Residual stream width (d_model).")
-    heads: int = Field(4, ge=1, le=256, description="Attention heads; must divide width.")
-    moe: MoESpec | None = Field(None, description="Sparse mixture-of-experts feed-forward; dense when absent.")
-
-    def parameter_count(self, max_seq_len: int) -> int:
-        """The parameters of training/model/gpt.py's ByteGPT of this shape (embeddings tied with the head)."""
-        width, vocab = self.width, 257
-        ffn = 8 * width * width if self.moe is None else self.moe.experts * (8 * width * width + width)
-        block = 4 * width * width + 4 * width + ffn  # attention, two layer norms, feed-forward
-        return vocab * width + max_seq_len * width + self.layers * block + 2 * width
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> "ModelSpec":
-        if self.width % self.heads:
-            raise ValueError(f"heads {self.heads} must divide width {self.width}")
-        return self
 
 
 class CorpusSpec(SpecModel):
@@ -308,7 +277,7 @@ class RunSpec(SpecModel):
     seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="Seed for initialisation and sampling (data.split_seed decides the split).")
     islands: list[IslandSpec] = Field(min_length=1, max_length=MAX_ISLANDS,
                                       description="Compute islands taking part in the run.")
-    model: ModelSpec = Field(default_factory=ModelSpec, description="The byte-level decoder-only transformer.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model: the built-in byte GPT or a transformers causal LM.")
     data: DataSpec = Field(description="Training corpora and held-out evaluations.")
     training: TrainingSpec = Field(default_factory=TrainingSpec,
                                    description="How each learner trains between exchanges, and checkpoints.")
@@ -356,9 +325,9 @@ class RunSpec(SpecModel):
     @model_validator(mode="after")
     def _transport_fits(self) -> "RunSpec":
         transport = self.sync.transport
-        if transport.fragments > self.model.layers:
+        if transport.fragments > self.model.blocks:
             raise ValueError(f"sync.transport.fragments: {transport.fragments} but the model has "
-                             f"{self.model.layers} layers")
+                             f"{self.model.blocks} blocks")
         shortest = min(i.inner_steps for i in self.islands)
         if transport.tau > shortest:
             raise ValueError(f"sync.transport.tau: {transport.tau} exceeds the fewest inner_steps of an island ({shortest})")

@@ -18,7 +18,7 @@ from tasks.faults import fail_once_if_asked
 from tasks.planning import UNLIMITED_BPS, measured_step_seconds, publish_plan
 from tasks.stage import stage
 from training.learner.ledger import read_summaries
-from training.model.gpt import build_model
+from training.model.registry import build_model
 
 
 @stage("evaluate")

@@ -105,12 +105,12 @@ def two_learner_run(tmp_path):
         (corpus / f"doc{i}.txt").write_text(f"document {i} " * 400)
 
     def prepare(name: str, layers: int, inner_steps: int, run_id: str = "r", island: dict | None = None,
-                training: dict | None = None, **sync):
+                training: dict | None = None, model: dict | None = None, **sync):
         spec = parse_spec({
             "name": name,
             "islands": [{"name": name_, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": inner_steps,
                          **(island or {})} for name_ in ("a", "b")],
-            "model": {"layers": layers, "width": 16, "heads": 2},
+            "model": model or {"layers": layers, "width": 16, "heads": 2},
             "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                                   "eval_fraction": 0.2}]},
             "training": {"warmup_steps": 1, **(training or {})},

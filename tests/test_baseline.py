@@ -14,7 +14,7 @@ from infra import layout
 from infra.derived import read_derived
 from infra.store import ObjectStore
 from training.baseline import DataParallelRank, all_reduce_gradients, train_baseline
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import flat_parameters
 
 

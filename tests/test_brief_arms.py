@@ -3,7 +3,7 @@ arms (so its baselines (a) and (b) apply), and candidates that are configs/brief
 
 from bench import brief, quality
 from training.baseline import BaselinePlan
-from training.model.gpt import build_model
+from training.model.registry import build_model
 
 
 def rows(spec) -> int:

@@ -4,7 +4,7 @@ import torch
 from training.data.corpora import Document
 from training.data.shards import encode, shard_documents, split_documents, split_validation
 from training.data.streams import text_bytes
-from training.model.gpt import BOS
+from infra.model_spec import BOS
 
 
 def docs(n):

@@ -21,7 +21,7 @@ from infra.spec import parse_spec
 from infra.store import ObjectStore, StoreUnavailable
 from training.exchange.transport import Transport
 from infra.watchdog import STALLED, Watchdog
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import flat_parameters
 from training.learner.state import Lives
 from training.exchange.exchanger import Exchanger

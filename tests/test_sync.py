@@ -12,7 +12,7 @@ import torch
 
 from infra.spec import parse_spec
 from infra.store import ObjectExists
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import flat_parameters
 from training.exchange.channel import Channel, Message
 from training.exchange.exchanger import Exchanger

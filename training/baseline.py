@@ -21,7 +21,7 @@ from infra.spec import RunSpec
 from infra.stores import RunStores
 from training.data.streams import WindowSampler, read_stream
 from training.model.inner import inner_optimizer, optimizer_step
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import flat_parameters, unflatten_into
 from training.model.schedule import learning_rate, snapshot_steps
 

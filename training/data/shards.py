@@ -23,7 +23,7 @@ from datasketch import MinHash, MinHashLSH
 from infra import layout
 from infra.stores import RunStores
 from training.data.corpora import Document, document_rank, load_documents
-from training.model.gpt import BOS
+from infra.model_spec import BOS
 from training.data.streams import min_stream_tokens, text_bytes
 
 # Words and single punctuation marks: code and prose alike give shingles that reformatting keeps.

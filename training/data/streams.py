@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from infra.store import ObjectRef
-from training.model.gpt import BOS
+from infra.model_spec import BOS
 
 
 def text_bytes(stream: torch.Tensor) -> int:

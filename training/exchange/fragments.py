@@ -1,6 +1,6 @@
 """Fragments: the model split into parameter groups that are exchanged one at a time.
 
-Layout. Transformer blocks are dealt to fragments `strided` (block b goes to fragment b mod F,
+Layout. Transformer blocks (which block a parameter belongs to, the model's `block_of` says) are dealt to fragments `strided` (block b goes to fragment b mod F,
 as Streaming DiLoCo found better than contiguous groups) or `contiguous` (consecutive blocks
 together). Tensors outside the blocks (embeddings, final norm, head) go, largest first, to the
 fragment that is smallest so far, which keeps fragments near equal in size.
@@ -14,6 +14,7 @@ forever. With F = 1 this is today's schedule exactly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +41,7 @@ class FragmentLayout:
         for name, p in model.named_parameters():
             tensors.append((name, offset, p.numel()))
             offset += p.numel()
-        owner = assign_fragments([(name, numel) for name, _, numel in tensors], fragments, layout)
+        owner = assign_fragments([(name, numel) for name, _, numel in tensors], model.block_of, fragments, layout)
         indices, names = [], []
         for f in range(fragments):
             mine = [(name, start, numel) for name, start, numel in tensors if owner[name] == f]
@@ -49,16 +50,19 @@ class FragmentLayout:
         return cls(tuple(indices), tuple(names))
 
 
-def assign_fragments(tensors: list[tuple[str, int]], fragments: int, layout: str = "strided") -> dict[str, int]:
-    """Each parameter's fragment, from (name, elements) in flat-parameter order: transformer blocks by
-    `layout`, the rest (embeddings, final norm) each to the fragment with the fewest elements so far."""
-    blocks = sorted({int(name.split(".")[1]) for name, _ in tensors if name.startswith("blocks.")})
+def assign_fragments(tensors: list[tuple[str, int]], block_of: Callable[[str], int | None], fragments: int,
+                     layout: str = "strided") -> dict[str, int]:
+    """Each parameter's fragment, from (name, elements) in flat-parameter order: transformer blocks
+    (`block_of(name)`, None outside them) by `layout`, the rest (embeddings, final norm) each to the
+    fragment with the fewest elements so far."""
+    block = {name: block_of(name) for name, _ in tensors}
+    blocks = sorted({b for b in block.values() if b is not None})
     if fragments > max(1, len(blocks)):
         raise ValueError(f"fragments: {fragments} but the model has {len(blocks)} blocks to split")
     owner: dict[str, int] = {}
     for name, _ in tensors:
-        if name.startswith("blocks."):
-            b = blocks.index(int(name.split(".")[1]))
+        if block[name] is not None:
+            b = blocks.index(block[name])
             owner[name] = b % fragments if layout == "strided" else b * fragments // len(blocks)
     load = [0] * fragments
     for name, numel in tensors:

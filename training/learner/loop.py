@@ -36,7 +36,7 @@ from training.learner.events import emit
 from training.learner.faults import LearnerFaults
 from training.model.inner import average_gradients, forward_precision, inner_optimizer, optimizer_step
 from training.learner.ledger import Ledger, LearnerSummary, write_summary
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.model.params import flat_of, flat_parameters, unflatten_into
 from training.learner.retention import Retention
 from training.model.schedule import curve_rounds, learning_rate

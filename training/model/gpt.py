@@ -8,14 +8,16 @@ with top-k routing and a Switch-style load-balancing loss.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-BOS = 256
-VOCAB = 257
+from infra.model_spec import BYTE_VOCAB
+
+BLOCK = re.compile(r"^blocks\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -112,11 +114,11 @@ class ByteGPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(VOCAB, cfg.width)
+        self.tok = nn.Embedding(BYTE_VOCAB, cfg.width)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.width)
-        self.head = nn.Linear(cfg.width, VOCAB, bias=False)
+        self.head = nn.Linear(cfg.width, BYTE_VOCAB, bias=False)
         self.head.weight = self.tok.weight  # weight tying
         self.apply(self._init)
         for name, p in self.named_parameters():
@@ -138,11 +140,17 @@ class ByteGPT(nn.Module):
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Training loss: next-byte cross-entropy plus the experts' balance term."""
         logits = self(idx)
-        loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, BYTE_VOCAB), targets.reshape(-1))
         if self.cfg.experts:
             aux = sum(b.ffn.aux_loss for b in self.blocks) / self.cfg.layers
             loss = loss + self.cfg.balance_loss_weight * aux
         return loss
+
+    @staticmethod
+    def block_of(name: str) -> int | None:
+        """The transformer block a parameter belongs to, None outside the blocks."""
+        match = BLOCK.match(name)
+        return int(match.group(1)) if match else None
 
     def parameter_counts(self) -> dict[str, int]:
         """Total parameters, and those active for one token (top_k of the experts)."""
@@ -154,7 +162,5 @@ class ByteGPT(nn.Module):
         return {"total": total, "active": total - idle}
 
 
-def build_model(spec) -> ByteGPT:
-    """A run spec's initial model: every learner and the baseline start from these same weights."""
-    torch.manual_seed(spec.seed)
+def build(spec) -> ByteGPT:
     return ByteGPT(GPTConfig.from_spec(spec.model, spec.max_seq_len))

@@ -30,7 +30,7 @@ from infra.spec import RunSpec
 from infra.store import ObjectRef, json_document
 from training.exchange.compression import Codec
 from training.exchange.fragments import assign_fragments, fragment_of_round
-from training.model.gpt import build_model
+from training.model.registry import build_model
 from training.planning.windows import Stretch, WindowedClock, windows_plan
 from training.exchange.exchanger import SYNC_MODES
 
@@ -47,7 +47,7 @@ def fragment_sizes(spec: RunSpec) -> list[int]:
     with torch.device("meta"):
         model = build_model(spec)
     named = [(name, p.numel()) for name, p in model.named_parameters()]
-    owner = assign_fragments(named, spec.sync.transport.fragments, spec.sync.transport.layout)
+    owner = assign_fragments(named, model.block_of, spec.sync.transport.fragments, spec.sync.transport.layout)
     sizes = [0] * spec.sync.transport.fragments
     for name, numel in named:
         sizes[owner[name]] += numel

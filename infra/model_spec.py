@@ -1,0 +1,124 @@
+"""The model section of a run spec: the built-in byte GPT, or a transformers causal LM built from its
+config (no weights downloaded, no code from the hub: `trust_remote_code` is never set).
+
+A transformers architecture is one of a fixed list, named in the spec and mapped here to the
+library's class; its config is the library's own config class, so a field the library refuses is
+named when the spec is loaded, before any work.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from infra.spec_model import MAX_WIDTH, SpecModel
+
+# Byte vocabulary: the 256 byte values and one document separator, so bits per byte count exactly the
+# bytes of the text.
+BOS = 256
+BYTE_VOCAB = 257
+
+# Architecture -> the transformers model type of its config class.
+TRANSFORMERS_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
+                              "Qwen2MoeForCausalLM": "qwen2_moe"}
+ConfigValue = int | float | bool | str | None | list[int] | list[str]
+
+
+class MoESpec(SpecModel):
+    experts: int = Field(ge=2, le=64, description="Experts in each sparse feed-forward layer.")
+    top_k: int = Field(1, ge=1, description="Experts each token is routed to.")
+    balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the load-balancing loss.")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoESpec":
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k {self.top_k} exceeds experts {self.experts}")
+        return self
+
+
+class TransformersModelSpec(SpecModel):
+    architecture: Literal["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"] = Field(
+        description="The transformers causal LM class. Sparse MoE architectures train with their router's "
+                    "auxiliary loss (the config's router_aux_loss_coef).")
+    config: dict[str, ConfigValue] = Field(
+        default_factory=dict, max_length=64,
+        description="Fields of the architecture's transformers config (hidden_size, num_hidden_layers, "
+                    "num_attention_heads, intermediate_size, num_local_experts, ...). vocab_size and "
+                    "max_position_embeddings are set by the run: the vocabulary and the longest seq_len.")
+
+    @field_validator("config")
+    @classmethod
+    def _run_sets_these(cls, config: dict) -> dict:
+        taken = sorted({"vocab_size", "max_position_embeddings", "trust_remote_code", "auto_map"} & set(config))
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the run, not by the spec")
+        return config
+
+    def library_config(self, vocab_size: int, max_positions: int):
+        """The transformers config object; raises ValueError naming a field the library does not know or
+        a value it refuses."""
+        from transformers import AutoConfig
+
+        model_type = TRANSFORMERS_ARCHITECTURES[self.architecture]
+        unknown = sorted(set(self.config) - set(AutoConfig.for_model(model_type).to_dict()))
+        if unknown:
+            raise ValueError(f"{self.architecture}'s config has no field {', '.join(unknown)}")
+        try:
+            return AutoConfig.for_model(model_type, **{"tie_word_embeddings": False, **self.config},
+                                        vocab_size=vocab_size, max_position_embeddings=max_positions)
+        except Exception as err:  # noqa: BLE001 - the library raises its own validation errors
+            reason = str(err).strip().splitlines()[-1].strip()
+            raise ValueError(f"transformers refuses {self.architecture}'s config: {reason}") from None
+
+
+class ModelSpec(SpecModel):
+    kind: Literal["byte_gpt", "transformers"] = Field(
+        "byte_gpt", description="byte_gpt: the built-in byte-level GPT (layers, width, heads, moe); transformers: "
+                                "a transformers causal LM (the transformers section).")
+    layers: int = Field(2, ge=1, le=64, description="byte_gpt: transformer blocks.")
+    width: int = Field(128, ge=8, le=MAX_WIDTH, description="byte_gpt: residual stream width (d_model).")
+    heads: int = Field(4, ge=1, le=256, description="byte_gpt: attention heads; must divide width.")
+    moe: MoESpec | None = Field(None, description="byte_gpt: sparse mixture-of-experts feed-forward; dense when absent.")
+    transformers: TransformersModelSpec | None = Field(None, description="kind transformers: the architecture and config.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> "ModelSpec":
+        if self.kind == "transformers":
+            if self.transformers is None:
+                raise ValueError("kind transformers needs the transformers section (architecture, config)")
+            self.transformers.library_config(BYTE_VOCAB, 2048)
+        elif self.transformers is not None:
+            raise ValueError(f"the transformers section is for kind transformers, not {self.kind}")
+        if self.width % self.heads:
+            raise ValueError(f"heads {self.heads} must divide width {self.width}")
+        return self
+
+    def describe(self) -> str:
+        if self.kind == "transformers":
+            config = self.transformers.library_config(BYTE_VOCAB, 2048)
+            return (f"{self.transformers.architecture}, {config.num_hidden_layers} layers x "
+                    f"{config.hidden_size} wide")
+        return f"byte GPT, {self.layers} layers x {self.width} wide" + (
+            f", {self.moe.experts} experts (top {self.moe.top_k})" if self.moe else "")
+
+    @property
+    def blocks(self) -> int:
+        """Transformer blocks: what fragments are dealt from."""
+        if self.kind == "transformers":
+            return int(self.transformers.library_config(BYTE_VOCAB, 2048).num_hidden_layers)
+        return self.layers
+
+    def parameter_count(self, max_seq_len: int) -> int:
+        """The model's parameters, counted without allocating them."""
+        if self.kind == "transformers":
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(self.transformers.library_config(BYTE_VOCAB, max_seq_len))
+            return sum(p.numel() for p in model.parameters())
+        width = self.width
+        ffn = 8 * width * width if self.moe is None else self.moe.experts * (8 * width * width + width)
+        block = 4 * width * width + 4 * width + ffn  # attention, two layer norms, feed-forward
+        return BYTE_VOCAB * width + max_seq_len * width + self.layers * block + 2 * width

@@ -1,0 +1,124 @@
+"""Models from the registry: the byte GPT and transformers causal LMs (dense Llama, sparse Mixtral and
+Qwen2-MoE) built from their configs, behind the interface every arm uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infra.spec import SpecError, parse_spec
+from training.exchange.fragments import FragmentLayout
+from training.learner.loop import Learner
+from training.model.params import flat_parameters
+from training.model.registry import build_model
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+         "intermediate_size": 64}
+MODELS = {
+    "llama": {"kind": "transformers", "transformers": {"architecture": "LlamaForCausalLM", "config": SMALL}},
+    "mixtral": {"kind": "transformers", "transformers": {"architecture": "MixtralForCausalLM", "config": {
+        **SMALL, "num_local_experts": 4, "num_experts_per_tok": 1, "router_aux_loss_coef": 0.02}}},
+    "qwen2_moe": {"kind": "transformers", "transformers": {"architecture": "Qwen2MoeForCausalLM", "config": {
+        **SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32}}},
+}
+
+
+def spec_with(model: dict, **sync):
+    return parse_spec({
+        "name": "models", "model": model,
+        "islands": [{"name": name, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}
+                    for name in ("a", "b")],
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]},
+        "sync": {"rounds": 2, **sync},
+    })
+
+
+@pytest.mark.parametrize("config, problem", [
+    ({"architecture": "LlamaForCausalLM", "config": {**SMALL, "hiddn_size": 30}}, "has no field hiddn_size"),
+    ({"architecture": "LlamaForCausalLM", "config": {**SMALL, "num_attention_heads": 3, "num_key_value_heads": 3}},
+     "transformers refuses LlamaForCausalLM's config: .*multiple of the number of attention heads"),
+    ({"architecture": "LlamaForCausalLM", "config": {**SMALL, "vocab_size": 50000}}, "vocab_size: set by the run"),
+    ({"architecture": "GPT2LMHeadModel", "config": {}}, "architecture"),
+])
+def test_a_transformers_config_the_library_refuses_is_named_before_any_work(config, problem):
+    with pytest.raises(SpecError, match=problem):
+        spec_with({"kind": "transformers", "transformers": config})
+
+
+def test_a_transformers_section_needs_its_kind():
+    with pytest.raises(SpecError, match="needs the transformers section"):
+        spec_with({"kind": "transformers"})
+    with pytest.raises(SpecError, match="is for kind transformers"):
+        spec_with({"transformers": MODELS["llama"]["transformers"]})
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_learner_builds_the_same_initial_model_and_the_spec_counts_it(name):
+    spec = spec_with(MODELS[name])
+    first, second = build_model(spec), build_model(spec)
+    assert torch.equal(flat_parameters(first), flat_parameters(second))
+    counts = first.parameter_counts()
+    assert counts["total"] == spec.model.parameter_count(spec.max_seq_len) == flat_parameters(first).numel()
+    with torch.device("meta"):
+        assert sum(p.numel() for p in build_model(spec).parameters()) == counts["total"]
+
+
+def test_a_sparse_model_counts_top_k_of_its_routed_experts_as_active():
+    model = build_model(spec_with(MODELS["mixtral"]))
+    routed = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    counts = model.parameter_counts()
+    assert routed > 0 and counts["active"] == counts["total"] - routed * 3 // 4  # top 1 of 4 experts
+    qwen = build_model(spec_with(MODELS["qwen2_moe"])).parameter_counts()
+    assert qwen["total"] > qwen["active"] > 0  # top 2 of 4, the shared expert always active
+
+
+def test_the_router_s_auxiliary_loss_trains_the_router():
+    model = build_model(spec_with(MODELS["mixtral"]))
+    tokens = torch.randint(0, 257, (2, 17))
+    loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+    logits = model(tokens[:, :-1])
+    plain = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    assert loss > plain  # the balance term is added
+    loss.backward()
+    router = next(p for name, p in model.named_parameters() if name.endswith("mlp.gate.weight"))
+    assert router.grad is not None and router.grad.abs().sum() > 0
+
+
+def test_fragments_deal_a_transformers_model_s_layers():
+    model = build_model(spec_with(MODELS["llama"]))
+    layout = FragmentLayout.build(model, 2, "strided")
+    assert sum(layout.sizes) == flat_parameters(model).numel()
+    for fragment, names in enumerate(layout.names):
+        layers = {model.block_of(name) for name in names} - {None}
+        assert layers == {fragment}
+    assert {"lm.model.embed_tokens.weight", "lm.lm_head.weight"} <= set(layout.names[0] + layout.names[1])
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_a_restarted_transformers_learner_continues_exactly(two_learner_run, name):
+    """Shampoo outer steps over the model's matrices (the experts' are 3-D), fragments, int8 messages."""
+    spec, store = two_learner_run(f"restart-{name}", layers=1, inner_steps=2, model=MODELS[name], rounds=4,
+                                  partner_timeout_s=0.3,
+                                  outer={"name": "shampoo", "lr": 0.7, "momentum": 0.9,
+                                         "shampoo": {"graft": "sgd", "start_preconditioning_step": 2}},
+                                  transport={"fragments": 2, "compression": "int8"})
+    from infra import layout
+    from infra.store import ObjectStore
+    from training.data.shards import prepare_dataset
+
+    uninterrupted = ObjectStore(spec.store.url).child("runs/uninterrupted")
+    uninterrupted.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, uninterrupted)
+    straight = Learner(spec, uninterrupted, 0)
+    straight.resume()
+    for t in range(3):
+        straight.run_round(t)
+    first = Learner(spec, store, 0)
+    first.resume()
+    for t in range(2):
+        first.run_round(t)
+    again = Learner(spec, store, 0)
+    again.resume()
+    again.run_round(2)
+    assert torch.equal(flat_parameters(again.model), flat_parameters(straight.model))

