@@ -21,7 +21,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # A test that uses one of these runs against a real server: the integration tier.
 SERVER_FIXTURES = {"s3_server", "s3_env", "prefect_api"}
 # Modules whose tests start servers of their own or learner processes: the integration tier too.
-INTEGRATION_MODULES = {"test_cli", "test_deadlines", "test_security_control_plane", "test_security_processes",
+INTEGRATION_MODULES = {"test_baseline", "test_cli", "test_deadlines", "test_security_control_plane", "test_security_processes",
                        "test_seaweed_smoke", "test_splits", "test_windows"}
 
 
