@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 from infra import layout
-from infra.derived import read_derived
 from infra.spec import RunSpec
 from eval.bpb import bits_per_byte
 from training.data.streams import read_stream
-from training.model.registry import build_model
-from training.model.params import load_flat_parameters
-
-
-def load_model(spec: RunSpec, store, key: str):
-    tensors, meta, _ = read_derived(store, key)
-    model = build_model(spec)
-    load_flat_parameters(model, tensors["weights"])
-    return model, meta
+from training.model.registry import load_model
 
 
 def score_model(spec: RunSpec, store, key: str, splits: tuple[str, ...] = ("heldout",)) -> dict:

@@ -240,6 +240,27 @@ def deploy(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    """A finished run's consolidated model in the transformers format. The spec is the user's file, not
+    the store's copy: with signing keys, the model read is checked against them."""
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
+        return 2
+    from infra.stores import open_run
+    from training.model.export import NotExportable, export_model
+    from training.model.registry import load_model
+
+    try:
+        model, _ = load_model(spec, open_run(spec, args.run_id), layout.CONSOLIDATED)
+        out = export_model(spec, model, Path(args.out), args.dtype)
+    except (StoreError, NotExportable) as err:
+        print(f"error: cannot export {args.run_id}: {err}", file=sys.stderr)
+        return 2
+    print(f"{out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}); token ids are "
+          "byte values 0-255 and 256 the document separator")
+    return 0
+
+
 def keys(args: argparse.Namespace) -> int:
     """A signing key pair per writer (the control plane and each named island, infra/authority.py): each
     private key into a file of its own that only its owner can read, never to the terminal; the spec's
@@ -319,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
                        "Prefect server of PREFECT_API_URL")
     deploy_parser.add_argument("config", help="run spec: its islands get work pools, and the lifecycle's form defaults to it")
     deploy_parser.set_defaults(handler=deploy)
+    export_parser = commands.add_parser(
+        "export", help="write a run's consolidated model in the transformers format (config.json, model.safetensors)")
+    export_parser.add_argument("config", help="the run's spec YAML")
+    export_parser.add_argument("run_id")
+    export_parser.add_argument("--out", required=True, help="folder to write")
+    export_parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
+    export_parser.set_defaults(handler=export)
     keys_parser = commands.add_parser(
         "keys", help="make signing key pairs for the control plane and islands, and print the spec's signing sections")
     keys_parser.add_argument("islands", nargs="+", help="the islands' names, as in the spec")

@@ -7,6 +7,7 @@ place: the spec, the data, each learner's per-round messages and checkpoints, th
 SPEC = "spec.json"
 DATA_MANIFEST = "data/manifest.json"
 CONSOLIDATED = "models/consolidated"
+INITIAL = "models/initial"  # the weights of `model.init_from`, committed by the control plane
 BASELINE = "models/baseline"
 BASELINE_SNAPSHOTS = "models/baseline-snapshots"
 REPORT = "report/report.json"

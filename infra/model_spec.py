@@ -81,6 +81,12 @@ class ModelSpec(SpecModel):
     heads: int = Field(4, ge=1, le=256, description="byte_gpt: attention heads; must divide width.")
     moe: MoESpec | None = Field(None, description="byte_gpt: sparse mixture-of-experts feed-forward; dense when absent.")
     transformers: TransformersModelSpec | None = Field(None, description="kind transformers: the architecture and config.")
+    init_from: str | None = Field(
+        None, max_length=1024,
+        description="kind transformers: a folder in the transformers format (config.json and safetensors "
+                    "weights, as `archipelago export` writes it), under the control plane's data root "
+                    "($ARCHIPELAGO_DATA_ROOT); every learner and the baseline start from its weights, which "
+                    "must fit the spec's architecture and config. Empty: the seed's initial weights.")
 
     @model_validator(mode="after")
     def _shape(self) -> "ModelSpec":
@@ -88,8 +94,8 @@ class ModelSpec(SpecModel):
             if self.transformers is None:
                 raise ValueError("kind transformers needs the transformers section (architecture, config)")
             self.transformers.library_config(BYTE_VOCAB, 2048)
-        elif self.transformers is not None:
-            raise ValueError(f"the transformers section is for kind transformers, not {self.kind}")
+        elif self.transformers is not None or self.init_from is not None:
+            raise ValueError(f"the transformers section and init_from are for kind transformers, not {self.kind}")
         if self.width % self.heads:
             raise ValueError(f"heads {self.heads} must divide width {self.width}")
         return self

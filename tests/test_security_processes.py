@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.evaluate import load_model
+from training.model.registry import load_model
 from infra import layout
 from infra.launch import LearnerProcess, LearnersStopped, run_learner, stop_learners
 from infra.lease import LeaseLost, held_lease

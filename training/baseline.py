@@ -21,7 +21,7 @@ from infra.spec import RunSpec
 from infra.stores import RunStores
 from training.data.streams import WindowSampler, read_stream
 from training.model.inner import inner_optimizer, optimizer_step
-from training.model.registry import build_model
+from training.model.registry import initial_model
 from training.model.params import flat_parameters, unflatten_into
 from training.model.schedule import learning_rate, snapshot_steps
 
@@ -121,7 +121,7 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
     steps, global_batch = plan.steps, plan.global_batch
     run_steps = steps if max_steps is None else min(max_steps, steps)
     samplers = shard_samplers(spec, store, rank.learners if rank else [slot.index for slot in plan.slots])
-    model = build_model(spec)
+    model = initial_model(spec, store)
     optimizer = baseline_optimizer(spec, model)
     tokens, summing, gradient_bytes, started = 0, 0.0, 0, time.monotonic()
     snapshots = set(snapshot_steps(spec.sync.rounds, steps)) if rank is None and max_steps is None else set()

@@ -21,7 +21,9 @@ from infra.launch import LearnerFailed, LearnerProcess, run_learner, threads_per
 from infra.spec import RunSpec, spec_sha256
 from infra.store import ObjectStore
 from infra.stores import RunStores, check_stores_reachable, foreign_writer_credentials, open_run
+from training.data.corpora import data_root
 from training.learner.ledger import finished
+from training.model.registry import commit_initial_weights
 
 
 def new_run_id(spec: RunSpec, label: str | None = None) -> str:
@@ -31,10 +33,13 @@ def new_run_id(spec: RunSpec, label: str | None = None) -> str:
 
 
 def start_run(spec: RunSpec, run_id: str) -> ObjectStore:
-    """Check every store answers, and publish the spec the learners will read; returns the run's store."""
+    """Check every store answers, and publish the spec the learners will read (and with `model.init_from`
+    the weights they start from); returns the run's store."""
     check_stores_reachable(spec)
     store = open_run(spec, run_id)
     store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    if spec.model.init_from is not None:
+        commit_initial_weights(spec, store, data_root(spec))
     return store
 
 

@@ -36,7 +36,7 @@ from training.learner.events import emit
 from training.learner.faults import LearnerFaults
 from training.model.inner import average_gradients, forward_precision, inner_optimizer, optimizer_step
 from training.learner.ledger import Ledger, LearnerSummary, write_summary
-from training.model.registry import build_model
+from training.model.registry import initial_model
 from training.model.params import flat_of, flat_parameters, unflatten_into
 from training.learner.retention import Retention
 from training.model.schedule import curve_rounds, learning_rate
@@ -56,7 +56,7 @@ class Learner:
         self.slot: LearnerSlot = spec.learners[index]
         self.device = torch.device(self.slot.island.device if self.slot.island.device == "cpu"
                                    else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-        self.model = build_model(spec).to(self.device)
+        self.model = initial_model(spec, self.stores.run).to(self.device)
         self.inner = inner_optimizer(self.model.parameters(), spec.training.lr, spec.training.weight_decay)
         self.transport = Transport.of(self.store, spec.sync.transport, read_from=self.stores.learner)
         self.lives = Lives(self.stores.learner, spec.sync.rounds)

@@ -1,0 +1,96 @@
+"""`archipelago export`: a run's consolidated model in the transformers format, loaded back by
+`AutoModelForCausalLM.from_pretrained` with the same logits as Archipelago's own forward pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from transformers import AutoModelForCausalLM
+
+from flows.cli import main
+from infra import layout
+from infra.derived import commit_derived
+from infra.spec import load_spec
+from infra.store import ObjectStore
+from tests.test_models import MODELS
+from training.model.params import flat_parameters
+from training.model.registry import build_model, load_model
+
+
+def consolidated_run(tmp_path, model: dict):
+    """A run spec and its run with a consolidated model (trained-looking weights: the initial ones moved)."""
+    config = tmp_path / "spec.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "export", "model": model,
+        "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]},
+        "sync": {"rounds": 2}, "store": {"url": str(tmp_path / "store")}}))
+    spec = load_spec(config)
+    weights = flat_parameters(build_model(spec))
+    weights += 0.05 * torch.randn(weights.shape, generator=torch.Generator().manual_seed(1))
+    store = ObjectStore(spec.store.url).child("runs/r")
+    commit_derived(store, layout.CONSOLIDATED, {"weights": weights}, {"tokens": 1})
+    return config, spec, store
+
+
+@pytest.mark.parametrize("name", ["byte_gpt", "llama", "mixtral"])
+def test_an_exported_model_loads_with_transformers_and_gives_the_same_logits(tmp_path, capsys, name):
+    model = {"layers": 2, "width": 32, "heads": 2} if name == "byte_gpt" else MODELS[name]
+    config, spec, store = consolidated_run(tmp_path, model)
+    assert main(["export", str(config), "r", "--out", str(tmp_path / "hf")]) == 0
+    assert "from_pretrained" in capsys.readouterr().out
+
+    ours = load_model(spec, store, layout.CONSOLIDATED)[0].eval()
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.allclose(theirs(input_ids=tokens).logits, ours(tokens), atol=1e-5)
+    assert sum(p.numel() for p in theirs.parameters()) >= ours.parameter_counts()["total"]
+
+
+def test_a_model_with_no_transformers_counterpart_is_refused_naming_why(tmp_path, capsys):
+    config, _, _ = consolidated_run(tmp_path, {"layers": 2, "width": 32, "heads": 2, "moe": {"experts": 2}})
+    assert main(["export", str(config), "r", "--out", str(tmp_path / "hf")]) == 2
+    assert "no transformers counterpart" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_a_run_without_a_consolidated_model_is_named(tmp_path, capsys):
+    config, _, _ = consolidated_run(tmp_path, MODELS["llama"])
+    assert main(["export", str(config), "not-a-run", "--out", str(tmp_path / "hf")]) == 2
+    assert "cannot export not-a-run" in capsys.readouterr().err
+
+
+def test_a_run_started_from_an_export_starts_from_its_weights(tmp_path, monkeypatch):
+    from infra.spec import parse_spec
+    from training.model.registry import initial_model
+    from training.stages import start_run
+
+    config, spec, store = consolidated_run(tmp_path, MODELS["mixtral"])
+    assert main(["export", str(config), "r", "--out", str(tmp_path / "corpora" / "exported")]) == 0
+    monkeypatch.setenv("ARCHIPELAGO_DATA_ROOT", str(tmp_path / "corpora"))
+    raw = spec.model_dump(mode="json")
+    again = parse_spec({**raw, "seed": 7, "model": {**raw["model"], "init_from": "exported"}})
+    started = start_run(again, "continued")
+
+    trained, _ = load_model(spec, store, layout.CONSOLIDATED)
+    continued = initial_model(again, started)
+    assert torch.equal(flat_parameters(continued), flat_parameters(trained))
+    tokens = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(3))
+    assert continued.loss(tokens[:, :-1], tokens[:, 1:]) == trained.loss(tokens[:, :-1], tokens[:, 1:])
+
+
+def test_weights_that_do_not_fit_the_spec_or_lie_outside_the_data_root_are_refused(tmp_path, monkeypatch):
+    from infra.spec import parse_spec
+    from training.stages import start_run
+
+    config, spec, _ = consolidated_run(tmp_path, MODELS["llama"])
+    assert main(["export", str(config), "r", "--out", str(tmp_path / "corpora" / "llama")]) == 0
+    monkeypatch.setenv("ARCHIPELAGO_DATA_ROOT", str(tmp_path / "corpora"))
+    raw = spec.model_dump(mode="json")
+    wider = {**raw["model"]["transformers"], "config": {**raw["model"]["transformers"]["config"], "hidden_size": 64}}
+    with pytest.raises(ValueError, match="does not fit the spec's model"):
+        start_run(parse_spec({**raw, "model": {**raw["model"], "transformers": wider, "init_from": "llama"}}), "x")
+    with pytest.raises(ValueError, match="not a transformers model folder under the data root"):
+        start_run(parse_spec({**raw, "model": {**raw["model"], "init_from": "../store"}}), "y")
