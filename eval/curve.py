@@ -45,7 +45,8 @@ def _islands_model(spec: RunSpec, store, round_index: int):
 
 
 def evaluate_curve(spec: RunSpec, store) -> list[dict]:
-    """[{"arm", "tokens", "eval", "bpb"}] for both arms at matching token counts."""
+    """[{"arm", "tokens", "eval", "bpb"}] for both arms (the islands alone without a baseline) at matching
+    token counts."""
     manifest = store.get_json(layout.DATA_MANIFEST)
     streams = {name: read_stream(store, entry)[:CURVE_EVAL_BYTES + 1] for name, entry in manifest["heldout"].items()}
     models = []
@@ -54,11 +55,11 @@ def evaluate_curve(spec: RunSpec, store) -> list[dict]:
         if model is not None:
             models.append(("islands", tokens, model))
     snapshots = [key.removesuffix(".json") for key in store.list(layout.BASELINE_SNAPSHOTS) if key.endswith(".json")]
-    for key in snapshots + [layout.BASELINE]:
+    for key in snapshots + ([layout.BASELINE] if spec.evaluation.baseline == "standard" else []):
         tensors, meta, _ = read_derived(store, key)
         model = build_model(spec)
         load_flat_parameters(model, tensors["weights"])
         models.append(("standard", meta["tokens"], model))
     return [{"arm": arm, "tokens": tokens, "eval": name,
-             "bpb": bits_per_byte(model, stream, spec.max_seq_len, spec.eval.batch_size)["bpb"]}
+             "bpb": bits_per_byte(model, stream, spec.max_seq_len, spec.evaluation.batch_size)["bpb"]}
             for arm, tokens, model in models for name, stream in streams.items()]

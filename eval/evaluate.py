@@ -14,7 +14,7 @@ def score_model(spec: RunSpec, store, key: str, splits: tuple[str, ...] = ("held
     (`heldout` for reporting, `validation` for tuning), and the tokens it was trained on."""
     manifest = store.get_json(layout.DATA_MANIFEST)
     model, meta = load_model(spec, store, key)
-    scores = {split: {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.eval.batch_size)
+    scores = {split: {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.evaluation.batch_size)
                       for name, entry in manifest[split].items()} for split in splits}
     return {"tokens": meta.get("tokens"), **scores}
 
@@ -25,7 +25,8 @@ def heldout_bpb(spec: RunSpec, store, key: str) -> dict[str, float]:
 
 
 def evaluate(spec: RunSpec, store) -> dict:
-    """{eval name: {"islands": bpb result, "baseline": bpb result}} over every held-out byte."""
+    """{eval name: {"islands": bpb result, "baseline": bpb result, or None without a baseline}} over
+    every held-out byte."""
     islands = score_model(spec, store, layout.CONSOLIDATED)["heldout"]
-    baseline = score_model(spec, store, layout.BASELINE)["heldout"]
-    return {name: {"islands": islands[name], "baseline": baseline[name]} for name in islands}
+    baseline = score_model(spec, store, layout.BASELINE)["heldout"] if spec.evaluation.baseline == "standard" else {}
+    return {name: {"islands": islands[name], "baseline": baseline.get(name)} for name in islands}

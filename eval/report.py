@@ -8,6 +8,7 @@ from eval.bootstrap import paired_bootstrap
 from infra import layout
 from infra.fault_spec import CorruptObject
 from infra.spec import RunSpec
+from training.baseline import BaselinePlan
 from training.learner.ledger import LearnerSummary
 
 FP32 = 4
@@ -91,18 +92,22 @@ def fragment_bytes(summaries: list[LearnerSummary]) -> list[dict]:
 
 
 def build_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, summaries: list[LearnerSummary],
-                 baseline: dict, parameters: dict, wall_seconds: float, control_refused: dict | None = None) -> dict:
+                 baseline: dict | None, parameters: dict, wall_seconds: float,
+                 control_refused: dict | None = None) -> dict:
+    """`baseline`: standard training's result, None when the spec trains none (`evaluation.baseline`)."""
     islands_tokens = sum(s.tokens for s in summaries)
+    plan = BaselinePlan.of(spec)  # the all-reduce comparison is per step of standard training, trained or not
     computing = sum(s.seconds_computing for s in summaries)
     syncing = sum(s.seconds_syncing for s in summaries)
     return {
         "run_id": run_id,
         "sync_mode": spec.sync.mode,
         "evals": {name: evaluation_entry(arms["islands"], arms["baseline"]) for name, arms in evals.items()},
-        "compute": {"islands_tokens": islands_tokens, "baseline_tokens": baseline["tokens"],
-                    "baseline_steps": baseline["steps"], "baseline_global_batch": baseline["global_batch"],
+        "baseline": spec.evaluation.baseline,
+        "compute": {"islands_tokens": islands_tokens, "baseline_tokens": baseline["tokens"] if baseline else None,
+                    "baseline_steps": plan.steps, "baseline_global_batch": plan.global_batch,
                     "parameters_total": parameters["total"], "parameters_active": parameters["active"]},
-        "communication": communication(spec, summaries, parameters["total"], baseline["steps"]),
+        "communication": communication(spec, summaries, parameters["total"], plan.steps),
         "consensus": consensus,
         "utilisation": computing / (computing + syncing) if computing + syncing else None,
         "seconds_blocked_on_link": sum(s.seconds_blocked for s in summaries),
@@ -121,9 +126,12 @@ def trust_report(spec: RunSpec, summaries: list[LearnerSummary], control_refused
     return {"authenticated": spec.signing is not None, "refused": dict(sorted(refused.items()))}
 
 
-def evaluation_entry(islands: dict, baseline: dict) -> dict:
+def evaluation_entry(islands: dict, baseline: dict | None) -> dict:
     """Both arms' bpb on one held-out set, and the islands' relative difference with its 95% interval
-    from a paired bootstrap over the set's documents."""
+    from a paired bootstrap over the set's documents (the islands' alone without a baseline)."""
+    if baseline is None:
+        return {"islands_bpb": islands["bpb"], "baseline_bpb": None, "relative_difference": None,
+                "bootstrap_95": None, "documents": len(islands["document_bytes"]), "bytes_scored": islands["bytes"]}
     difference = paired_bootstrap(islands["document_bits"], baseline["document_bits"], islands["document_bytes"])
     return {"islands_bpb": islands["bpb"], "baseline_bpb": baseline["bpb"],
             "relative_difference": difference.relative, "bootstrap_95": [difference.low, difference.high],
@@ -148,9 +156,11 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
         "## Evaluation (bits per byte, every held-out byte scored)",
         evaluation_table(report).to_markdown(index=False, floatfmt=".4f"),
         "## Compute",
-        f"Islands: {report['compute']['islands_tokens']:,} tokens; standard training: "
-        f"{report['compute']['baseline_tokens']:,} tokens in {report['compute']['baseline_steps']} steps of "
-        f"global batch {report['compute']['baseline_global_batch']}.",
+        f"Islands: {report['compute']['islands_tokens']:,} tokens; " + (
+            f"standard training: {report['compute']['baseline_tokens']:,} tokens in "
+            f"{report['compute']['baseline_steps']} steps of global batch {report['compute']['baseline_global_batch']}."
+            if report["compute"]["baseline_tokens"] is not None else
+            "standard training: not trained (evaluation.baseline: none)."),
         "## Communication",
         f"Inter-island {comm['inter_island_bytes']:,} B, intra-island {comm['intra_island_bytes']:,} B; "
         f"a per-step fp32 ring all-reduce would have sent {comm['allreduce_equivalent_bytes']:,} B across islands"
@@ -172,7 +182,8 @@ def evaluation_table(report: dict) -> pd.DataFrame:
     return pd.DataFrame([{"evaluation": name, "documents": e["documents"], "bytes": e["bytes_scored"],
                           "islands_bpb": e["islands_bpb"], "baseline_bpb": e["baseline_bpb"],
                           "relative_difference": e["relative_difference"],
-                          "95% interval": f"[{e['bootstrap_95'][0]:+.2%}, {e['bootstrap_95'][1]:+.2%}]"}
+                          "95% interval": f"[{e['bootstrap_95'][0]:+.2%}, {e['bootstrap_95'][1]:+.2%}]"
+                          if e["bootstrap_95"] else "no baseline"}
                          for name, e in report["evals"].items()])
 
 

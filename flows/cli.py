@@ -54,7 +54,9 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     comm = report["communication"]
     print(f"\nrun {report['run_id']} ({report['sync_mode']}), {report['wall_seconds']:.0f} s")
     print(evaluation_table(report).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
-    print(f"tokens: islands {report['compute']['islands_tokens']:,}, standard {report['compute']['baseline_tokens']:,}")
+    standard = report["compute"]["baseline_tokens"]
+    print(f"tokens: islands {report['compute']['islands_tokens']:,}, "
+          + (f"standard {standard:,}" if standard is not None else "no standard training (evaluation.baseline: none)"))
     print(f"inter-island bytes {comm['inter_island_bytes']:,} vs per-step all-reduce "
           f"{comm['allreduce_equivalent_bytes']:,}; max weight distance {report['consensus']['max_weight_distance']:.4f}")
     if report["faults"]["injected"]:

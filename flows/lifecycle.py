@@ -1,7 +1,7 @@
 """The whole life of an Archipelago run, as one Prefect flow.
 
 spec -> shards -> island training segments (every learner of every island, concurrently)
--> consolidation -> standard baseline -> evaluation -> report.
+-> consolidation -> standard baseline (unless `evaluation.baseline` is none) -> evaluation -> report.
 
 Every stage persists its result in the run's store under a cache key made of its inputs, so a
 retried or resumed run re-executes only the stages that did not complete. A lifecycle holds the
@@ -55,7 +55,7 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
         for segment in segments:
             segment.result()
         consensus = consolidate_learners(spec, run_id)
-        baseline = train_standard(spec, run_id)
+        baseline = train_standard(spec, run_id) if spec.evaluation.baseline == "standard" else None
         evals = evaluate_models(spec, run_id)
         curve = evaluate_curve_points(spec, run_id)
         report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)

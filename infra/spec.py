@@ -268,7 +268,11 @@ class BaselineSpec(SpecModel):
                                               "The token count stays the islands run's either way.")
 
 
-class EvalSpec(SpecModel):
+class EvaluationSpec(SpecModel):
+    baseline: Literal["standard", "none"] = Field(
+        "standard", description="standard: train standard data-parallel training on the same shards and tokens "
+                                "and score both models; none: score the islands' model alone (no baseline is "
+                                "trained, and the report says so).")
     batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="Windows per forward pass during evaluation.")
 
 
@@ -284,7 +288,7 @@ class RunSpec(SpecModel):
     sync: SyncSpec = Field(description="How learners synchronise.")
     baseline: BaselineSpec = Field(default_factory=BaselineSpec, description="Standard training it is measured against.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")
-    eval: EvalSpec = Field(default_factory=EvalSpec, description="Evaluation settings.")
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec, description="Evaluation settings.")
     faults: list[Fault] = Field(default_factory=list, max_length=MAX_LIST,
                                 description="Faults to inject, for tests and drills.")
     signing: SigningSpec | None = Field(

@@ -27,13 +27,14 @@ def evaluate_models(spec: RunSpec, run_id: str) -> dict:
     results = evaluate(spec, open_run(spec, run_id))
     logger = get_run_logger()
     for name, arms in results.items():
-        logger.info("%s: islands %.4f bpb, standard %.4f bpb over %s bytes", name, arms["islands"]["bpb"],
-                    arms["baseline"]["bpb"], f"{arms['islands']['bytes']:,}")
+        standard = f", standard {arms['baseline']['bpb']:.4f} bpb" if arms["baseline"] else ""
+        logger.info("%s: islands %.4f bpb%s over %s bytes", name, arms["islands"]["bpb"], standard,
+                    f"{arms['islands']['bytes']:,}")
     return results
 
 
 @stage("report", ignored_inputs=("wall_seconds",))
-def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, baseline: dict,
+def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, baseline: dict | None,
                    wall_seconds: float) -> dict:
     fail_once_if_asked(spec, run_id, "report")
     store = open_run(spec, run_id)

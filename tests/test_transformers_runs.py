@@ -1,5 +1,6 @@
-"""transformers causal LMs trained across islands by the whole lifecycle: a dense Llama and a sparse
-Mixtral, 2 islands of 2 learners, learners as real processes, `archipelago run` on a local store."""
+"""transformers causal LMs trained across islands by the whole lifecycle: a dense Llama (with no
+baseline: `evaluation.baseline: none`) and a sparse Mixtral (against standard training), 2 islands of
+2 learners, learners as real processes, `archipelago run` on a local store."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from training.planning.planner import plan_run
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("name", ["llama", "mixtral"])
-def test_a_transformers_model_trains_across_islands_to_its_report(name, tmp_path, prefect_api):
+@pytest.mark.parametrize("name, baseline", [("llama", "none"), ("mixtral", "standard")])
+def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline, tmp_path, prefect_api, capsys):
     config = tmp_path / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
         "name": f"hf-{name}", "model": MODELS[name],
@@ -33,6 +34,7 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, tmp_path
         "training": {"warmup_steps": 2},
         "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 60,
                  "transport": {"fragments": 2, "compression": "int8"}},
+        "evaluation": {"baseline": baseline},
         "store": {"url": str(tmp_path / "store")},
     }))
     report_path = tmp_path / "report.json"
@@ -40,10 +42,17 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, tmp_path
     report = json.loads(report_path.read_text())
     spec = load_spec(config)
 
-    for scores in report["evals"].values():
-        assert 0 < scores["islands_bpb"] < 9 and 0 < scores["baseline_bpb"] < 9
+    tokens = (2 * 4 * 3 + 2 * 8 * 2) * 32 * 3
     compute = report["compute"]
-    assert compute["islands_tokens"] == compute["baseline_tokens"] == (2 * 4 * 3 + 2 * 8 * 2) * 32 * 3
+    assert report["baseline"] == baseline and compute["islands_tokens"] == tokens
+    for scores in report["evals"].values():
+        assert 0 < scores["islands_bpb"] < 9
+        if baseline == "standard":
+            assert 0 < scores["baseline_bpb"] < 9 and compute["baseline_tokens"] == tokens
+        else:
+            assert scores["baseline_bpb"] is None and compute["baseline_tokens"] is None
+    printed = capsys.readouterr().out
+    assert ("no standard training (evaluation.baseline: none)" in printed) == (baseline == "none")
     assert compute["parameters_total"] == spec.model.parameter_count(spec.max_seq_len)
     assert (compute["parameters_active"] < compute["parameters_total"]) == (name == "mixtral")
     # The learners' counted exchange bytes are the planner's, link class by link class.
@@ -51,4 +60,6 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, tmp_path
     assert report["communication"]["inter_island_bytes"] == planned["inter"] > 0
     assert report["communication"]["intra_island_bytes"] == planned["intra"] > 0
     store = run_store(spec.store, report["run_id"])
-    assert store.is_committed(layout.CONSOLIDATED) and store.is_committed(layout.BASELINE)
+    assert store.is_committed(layout.CONSOLIDATED)
+    assert store.is_committed(layout.BASELINE) == (baseline == "standard")
+    assert not store.list(layout.BASELINE_SNAPSHOTS) or baseline == "standard"
