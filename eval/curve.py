@@ -4,8 +4,9 @@ Islands: the token-weighted mean of the learners' weights after a round (what co
 would produce then), read from the weights-only objects learners commit for these rounds
 (`layout.curve_weights`): their checkpoints of them may be retired by now. Standard training: its
 snapshots at the step whose token count matches.
-Intermediate points are scored on the first `CURVE_EVAL_BYTES` of each held-out set, to keep
-them cheap; the report's table scores every held-out byte of the final models.
+Intermediate points are scored on the first `CURVE_EVAL_BYTES` of each held-out set (with a
+tokenizer, its first whole documents within as many tokens), to keep them cheap; the report's table
+scores every held-out byte of the final models.
 """
 
 from __future__ import annotations
@@ -44,11 +45,21 @@ def _islands_model(spec: RunSpec, store, round_index: int):
     return model, sum(slot.tokens_per_round() for slot in spec.learners) * (round_index + 1)
 
 
+def _curve_stream(spec: RunSpec, store, entry: dict):
+    """The start of a held-out set that the curve scores, and its documents' UTF-8 bytes (None: bytes)."""
+    stream = read_stream(store, entry)
+    if "document_bytes" not in entry:
+        return stream[:CURVE_EVAL_BYTES + 1], None
+    ends = (stream == spec.separator).nonzero().flatten().tolist()[1:] + [len(stream)]
+    whole = max(1, sum(1 for end in ends if end <= CURVE_EVAL_BYTES + 1))
+    return stream[:ends[whole - 1]], entry["document_bytes"][:whole]
+
+
 def evaluate_curve(spec: RunSpec, store) -> list[dict]:
     """[{"arm", "tokens", "eval", "bpb"}] for both arms (the islands alone without a baseline) at matching
     token counts."""
     manifest = store.get_json(layout.DATA_MANIFEST)
-    streams = {name: read_stream(store, entry)[:CURVE_EVAL_BYTES + 1] for name, entry in manifest["heldout"].items()}
+    streams = {name: _curve_stream(spec, store, entry) for name, entry in manifest["heldout"].items()}
     models = []
     for r in curve_rounds(spec.sync.rounds):
         model, tokens = _islands_model(spec, store, r)
@@ -61,5 +72,6 @@ def evaluate_curve(spec: RunSpec, store) -> list[dict]:
         load_flat_parameters(model, tensors["weights"])
         models.append(("standard", meta["tokens"], model))
     return [{"arm": arm, "tokens": tokens, "eval": name,
-             "bpb": bits_per_byte(model, stream, spec.max_seq_len, spec.evaluation.batch_size)["bpb"]}
-            for arm, tokens, model in models for name, stream in streams.items()]
+             "bpb": bits_per_byte(model, stream, spec.max_seq_len, spec.evaluation.batch_size, spec.separator,
+                                  document_bytes)["bpb"]}
+            for arm, tokens, model in models for name, (stream, document_bytes) in streams.items()]

@@ -14,7 +14,8 @@ def score_model(spec: RunSpec, store, key: str, splits: tuple[str, ...] = ("held
     (`heldout` for reporting, `validation` for tuning), and the tokens it was trained on."""
     manifest = store.get_json(layout.DATA_MANIFEST)
     model, meta = load_model(spec, store, key)
-    scores = {split: {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.evaluation.batch_size)
+    scores = {split: {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len,
+                                          spec.evaluation.batch_size, spec.separator, entry.get("document_bytes"))
                       for name, entry in manifest[split].items()} for split in splits}
     return {"tokens": meta.get("tokens"), **scores}
 

@@ -258,8 +258,30 @@ def export(args: argparse.Namespace) -> int:
     except (StoreError, NotExportable) as err:
         print(f"error: cannot export {args.run_id}: {err}", file=sys.stderr)
         return 2
+    ids = "byte values" if spec.data.tokenizer is None else f"the ids of tokenizer {spec.data.tokenizer.path}"
     print(f"{out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}); token ids are "
-          "byte values 0-255 and 256 the document separator")
+          f"{ids}, and {spec.separator} the document separator")
+    return 0
+
+
+def tokenizer(args: argparse.Namespace) -> int:
+    """A byte-level BPE vocabulary trained on the training side of a spec's corpora, and the spec's
+    `data.tokenizer` section that uses it."""
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
+        return 2
+    from training.data.corpora import data_root
+    from training.data.tokenizer import train_tokenizer
+
+    root, out = data_root(spec), Path(args.out).resolve()
+    if not out.is_relative_to(root):
+        print(f"error: --out {out} is not under the data root {root}, where data preparation reads it",
+              file=sys.stderr)
+        return 2
+    size = train_tokenizer(spec, args.vocab_size, out)
+    print(f"# {out}: {size} ids. In the run spec:")
+    print(yaml.safe_dump({"data": {"tokenizer": {"path": str(out.relative_to(root)), "vocab_size": size}}},
+                         sort_keys=False).rstrip())
     return 0
 
 
@@ -349,6 +371,14 @@ def main(argv: list[str] | None = None) -> int:
     export_parser.add_argument("--out", required=True, help="folder to write")
     export_parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     export_parser.set_defaults(handler=export)
+    tokenizer_parser = commands.add_parser("tokenizer", help="make a tokenizers vocabulary for a run")
+    tokenizer_commands = tokenizer_parser.add_subparsers(dest="tokenizer_command", required=True)
+    train_parser = tokenizer_commands.add_parser(
+        "train", help="train byte-level BPE on the training side of a spec's corpora (never held-out text)")
+    train_parser.add_argument("config", help="run spec YAML: its corpora and split")
+    train_parser.add_argument("--vocab-size", type=int, default=4096)
+    train_parser.add_argument("--out", required=True, help="the tokenizer's JSON file, under the data root")
+    train_parser.set_defaults(handler=tokenizer)
     keys_parser = commands.add_parser(
         "keys", help="make signing key pairs for the control plane and islands, and print the spec's signing sections")
     keys_parser.add_argument("islands", nargs="+", help="the islands' names, as in the spec")

@@ -115,16 +115,16 @@ class ModelSpec(SpecModel):
             return int(self.transformers.library_config(BYTE_VOCAB, 2048).num_hidden_layers)
         return self.layers
 
-    def parameter_count(self, max_seq_len: int) -> int:
+    def parameter_count(self, max_seq_len: int, vocab_size: int = BYTE_VOCAB) -> int:
         """The model's parameters, counted without allocating them."""
         if self.kind == "transformers":
             import torch
             from transformers import AutoModelForCausalLM
 
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(self.transformers.library_config(BYTE_VOCAB, max_seq_len))
+                model = AutoModelForCausalLM.from_config(self.transformers.library_config(vocab_size, max_seq_len))
             return sum(p.numel() for p in model.parameters())
         width = self.width
         ffn = 8 * width * width if self.moe is None else self.moe.experts * (8 * width * width + width)
         block = 4 * width * width + 4 * width + ffn  # attention, two layer norms, feed-forward
-        return BYTE_VOCAB * width + max_seq_len * width + self.layers * block + 2 * width
+        return vocab_size * width + max_seq_len * width + self.layers * block + 2 * width

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from infra.authority import public_key_of
 from infra.fault_spec import Fault
-from infra.model_spec import ModelSpec
+from infra.model_spec import BOS, BYTE_VOCAB, ModelSpec
 from infra.spec_model import (MAX_BATCH, MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_PARAMETERS, MAX_STEPS,
                               MAX_WAIT_S, SEED_LIMIT, SpecModel)
 from infra.store import canonical_json, sha256
@@ -129,7 +129,19 @@ class CorpusSpec(SpecModel):
         return self
 
 
+class TokenizerSpec(SpecModel):
+    """A `tokenizers` vocabulary (`archipelago tokenizer train` makes one from the training split)."""
+
+    path: str = Field(max_length=1024, description="The tokenizer's JSON file, under the control plane's data root "
+                                                   "($ARCHIPELAGO_DATA_ROOT): only data preparation reads it.")
+    vocab_size: int = Field(ge=2, le=1 << 20, description="Its vocabulary's size, checked against the file; the "
+                                                          "model predicts these ids and one document separator.")
+
+
 class DataSpec(SpecModel):
+    tokenizer: TokenizerSpec | None = Field(
+        None, description="Token ids the model reads: a tokenizers vocabulary, or the bytes of the text when empty "
+                          "(bits per byte count each held-out document's UTF-8 bytes either way).")
     corpora: list[CorpusSpec] = Field(
         min_length=1, max_length=64,
         description="Training corpora; each also yields one held-out evaluation of whole documents.")
@@ -345,7 +357,7 @@ class RunSpec(SpecModel):
         if processes > MAX_LEARNER_PROCESSES:
             raise ValueError(f"islands: {processes} learner processes (learners x processes_per_learner over all "
                              f"islands), more than the {MAX_LEARNER_PROCESSES} a run may have")
-        parameters = self.model.parameter_count(self.max_seq_len)
+        parameters = self.model.parameter_count(self.max_seq_len, self.vocab_size)
         if parameters > MAX_PARAMETERS:
             raise ValueError(f"model: {parameters:,} parameters, more than the {MAX_PARAMETERS:,} a learner can hold "
                              "(the whole model in fp32 with its optimizers' state, about 32 bytes a parameter)")
@@ -391,6 +403,16 @@ class RunSpec(SpecModel):
     @property
     def max_seq_len(self) -> int:
         return max(i.seq_len for i in self.islands)
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the model predicts: the bytes or the tokenizer's vocabulary, and the document separator."""
+        return BYTE_VOCAB if self.data.tokenizer is None else self.data.tokenizer.vocab_size + 1
+
+    @property
+    def separator(self) -> int:
+        """The id that starts every document in a stream: never a scored target."""
+        return BOS if self.data.tokenizer is None else self.data.tokenizer.vocab_size
 
 
 class LearnerSlot(BaseModel):

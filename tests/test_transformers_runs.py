@@ -1,6 +1,7 @@
 """transformers causal LMs trained across islands by the whole lifecycle: a dense Llama (with no
-baseline: `evaluation.baseline: none`) and a sparse Mixtral (against standard training), 2 islands of
-2 learners, learners as real processes, `archipelago run` on a local store."""
+baseline: `evaluation.baseline: none`) and a sparse Mixtral (against standard training), each on a
+BPE vocabulary `archipelago tokenizer train` makes from the built-in corpora, 2 islands of 2
+learners, learners as real processes, `archipelago run` on a local store."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from flows.cli import main
 from infra import layout
 from infra.spec import load_spec
 from infra.store import run_store
+from tests.corpora import corpus_folder
 from tests.test_models import MODELS
 from training.planning.planner import plan_run
 
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.parametrize("name, baseline", [("llama", "none"), ("mixtral", "standard")])
 def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline, tmp_path, prefect_api, capsys):
     config = tmp_path / f"{name}.yaml"
-    config.write_text(yaml.safe_dump({
+    raw = {
         "name": f"hf-{name}", "model": MODELS[name],
         "islands": [{"name": "east", "learners": 2, "batch_size": 4, "seq_len": 32, "inner_steps": 3},
                     {"name": "west", "learners": 2, "batch_size": 8, "seq_len": 32, "inner_steps": 2}],
@@ -36,7 +38,12 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline
                  "transport": {"fragments": 2, "compression": "int8"}},
         "evaluation": {"baseline": baseline},
         "store": {"url": str(tmp_path / "store")},
-    }))
+    }
+    config.write_text(yaml.safe_dump(raw))
+    vocabulary = corpus_folder(tmp_path) / "tokenizer.json"
+    assert main(["tokenizer", "train", str(config), "--vocab-size", "512", "--out", str(vocabulary)]) == 0
+    raw["data"]["tokenizer"] = yaml.safe_load(capsys.readouterr().out)["data"]["tokenizer"]
+    config.write_text(yaml.safe_dump(raw))
     report_path = tmp_path / "report.json"
     assert main(["run", str(config), "--report", str(report_path)]) == 0
     report = json.loads(report_path.read_text())
@@ -53,7 +60,8 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline
             assert scores["baseline_bpb"] is None and compute["baseline_tokens"] is None
     printed = capsys.readouterr().out
     assert ("no standard training (evaluation.baseline: none)" in printed) == (baseline == "none")
-    assert compute["parameters_total"] == spec.model.parameter_count(spec.max_seq_len)
+    assert compute["parameters_total"] == spec.model.parameter_count(spec.max_seq_len, spec.vocab_size)
+    assert 256 < spec.vocab_size <= 513
     assert (compute["parameters_active"] < compute["parameters_total"]) == (name == "mixtral")
     # The learners' counted exchange bytes are the planner's, link class by link class.
     planned = plan_run(spec, {"east": 0.01, "west": 0.01}, 1e18)["exchange_bytes"]

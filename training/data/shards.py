@@ -1,6 +1,7 @@
 """The train/held-out split by whole group of near-duplicates, and per-learner shards.
 
-Documents become one byte stream each, prefixed by `BOS`. Which side of the split a document
+Documents become one stream of ids, each document's UTF-8 bytes (or its tokenizer ids, with
+`data.tokenizer`) after the document separator. Which side of the split a document
 lands on depends only on a hash of its id and `data.split_seed` (never the run's seed), so runs of
 different seeds evaluate on the same documents, and adding a corpus or changing the number of
 learners never moves a document between training and evaluation.
@@ -16,15 +17,16 @@ training. Validation is for tuning settings; the evaluation set is only ever rep
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 from datasketch import MinHash, MinHashLSH
 
 from infra import layout
 from infra.stores import RunStores
-from training.data.corpora import Document, document_rank, load_documents
 from infra.model_spec import BOS
-from training.data.streams import min_stream_tokens, text_bytes
+from training.data.corpora import Document, data_root, document_rank, load_documents
+from training.data.streams import min_stream_tokens
 
 # Words and single punctuation marks: code and prose alike give shingles that reformatting keeps.
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -155,6 +157,48 @@ def encode(docs: list[Document]) -> torch.Tensor:
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int16)
 
 
+def load_tokenizer(spec, root: Path):
+    """The spec's `tokenizers` vocabulary, from its file under `root` (the control plane's data root),
+    checked to have the size the spec declares."""
+    from tokenizers import Tokenizer
+
+    path = (root / spec.data.tokenizer.path).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        raise ValueError(f"data.tokenizer.path: {spec.data.tokenizer.path!r} is not a file under the data root {root}")
+    tokenizer = Tokenizer.from_file(str(path))
+    if tokenizer.get_vocab_size() != spec.data.tokenizer.vocab_size:
+        raise ValueError(f"data.tokenizer: {path} has {tokenizer.get_vocab_size()} ids, the spec says vocab_size "
+                         f"{spec.data.tokenizer.vocab_size}")
+    return tokenizer
+
+
+def encoder(spec):
+    """How this run's documents become a stream: `encode` for bytes, else the tokenizer's ids after the
+    separator (int16 while the vocabulary fits, int32 beyond)."""
+    if spec.data.tokenizer is None:
+        return encode
+    tokenizer = load_tokenizer(spec, data_root(spec))
+    dtype = torch.int16 if spec.vocab_size <= 1 << 15 else torch.int32
+
+    def tokenized(docs: list[Document]) -> torch.Tensor:
+        ids = [[spec.separator, *encoding.ids]
+               for encoding in tokenizer.encode_batch([d.text for d in docs], add_special_tokens=False)]
+        return torch.tensor([i for doc in ids for i in doc], dtype=dtype)
+
+    return tokenized
+
+
+def split_corpus(spec, corpus) -> tuple[list[Document], list[list[Document]], list[Document], list[Document],
+                                         list[Document]]:
+    """A corpus's documents, their near-duplicate groups, and its training, held-out and validation sides."""
+    docs = load_documents(corpus, spec.data.split_seed, spec)
+    groups = group_near_duplicates(docs)
+    train, held = split_documents(groups, corpus.eval_fraction, corpus.max_eval_bytes, spec.data.split_seed)
+    train, tuning = split_validation(train, corpus.validation_fraction, corpus.max_validation_bytes,
+                                     spec.data.split_seed)
+    return docs, groups, _documents(train), _documents(held), _documents(tuning)
+
+
 def prepare_dataset(spec, store) -> dict:
     """Split every corpus, shard its training side over the learners, write all of it to the run's store.
 
@@ -167,13 +211,9 @@ def prepare_dataset(spec, store) -> dict:
     per_learner: list[list[Document]] = [[] for _ in learners]
     bytes_from: list[dict[str, int]] = [{} for _ in learners]  # per learner, training bytes by corpus
     sides, corpora = {}, {}
-    split_seed = spec.data.split_seed
+    to_stream = encoder(spec)
     for corpus in spec.data.corpora:
-        docs = load_documents(corpus, split_seed, spec)
-        groups = group_near_duplicates(docs)
-        train, held = split_documents(groups, corpus.eval_fraction, corpus.max_eval_bytes, split_seed)
-        train, tuning = split_validation(train, corpus.validation_fraction, corpus.max_validation_bytes, split_seed)
-        train, held, tuning = _documents(train), _documents(held), _documents(tuning)
+        docs, groups, train, held, tuning = split_corpus(spec, corpus)
         sides[corpus.name] = held, tuning
         for shard, origin, assigned in zip(per_learner, bytes_from, shard_documents(train, shares)):
             shard.extend(assigned)
@@ -183,31 +223,36 @@ def prepare_dataset(spec, store) -> dict:
                                 "train_bytes": sum(d.nbytes for d in train),
                                 "near_duplicate_groups": len(merged),
                                 "near_duplicate_documents": sum(map(len, merged))}
-    streams = [encode(docs) for docs in per_learner]
+    streams = [to_stream(docs) for docs in per_learner]
     _check_shards_fit(spec, streams, bytes_from)
     heldout, validation = {}, {}
     for name, (held, tuning) in sides.items():
         if tuning:
-            tuning_stream = encode(tuning)
-            ref = store.put_tensors(layout.validation(name), {"tokens": tuning_stream})
-            validation[name] = {"object": ref.to_json(), "documents": len(tuning), "bytes": text_bytes(tuning_stream),
-                                "document_ids": sorted(d.id for d in tuning)}
-        stream = encode(held)
-        ref = store.put_tensors(layout.heldout(name), {"tokens": stream})
-        heldout[name] = {"object": ref.to_json(), "documents": len(held), "bytes": text_bytes(stream),
-                         "document_ids": sorted(d.id for d in held)}
+            ref = store.put_tensors(layout.validation(name), {"tokens": to_stream(tuning)})
+            validation[name] = {"object": ref.to_json(), **evaluation_entry(spec, tuning)}
+        ref = store.put_tensors(layout.heldout(name), {"tokens": to_stream(held)})
+        heldout[name] = {"object": ref.to_json(), **evaluation_entry(spec, held)}
     shards, stores = [], RunStores(spec, store)
     for slot, docs, stream in zip(learners, per_learner, streams):
         # In the learner's island's store: read once per life of the learner, it never crosses the link.
         home = stores.learner(slot.index)
         ref = home.put_tensors(layout.shard(slot.index), {"tokens": stream})
         shards.append({"learner": slot.index, "island": slot.island.name, "object": ref.to_json(), "store": home.url,
-                       "documents": len(docs), "bytes": text_bytes(stream),
+                       "documents": len(docs), "bytes": sum(d.nbytes for d in docs),
                        "planned_tokens": shares[slot.index],
                        "document_ids": sorted(d.id for d in docs)})
     manifest = {"shards": shards, "heldout": heldout, "validation": validation, "corpora": corpora}
     store.put_json(layout.DATA_MANIFEST, manifest)
     return manifest
+
+
+def evaluation_entry(spec, docs: list[Document]) -> dict:
+    """A held-out or validation set's manifest fields; with a tokenizer, each document's UTF-8 bytes in
+    stream order too, which bits per byte divide by (with bytes, the stream's ids are the bytes)."""
+    entry = {"documents": len(docs), "bytes": sum(d.nbytes for d in docs), "document_ids": sorted(d.id for d in docs)}
+    if spec.data.tokenizer is not None:
+        entry["document_bytes"] = [d.nbytes for d in docs]
+    return entry
 
 
 def _check_shards_fit(spec, streams: list[torch.Tensor], bytes_from: list[dict[str, int]]) -> None:

@@ -1,4 +1,4 @@
-"""Byte streams as the learners and the evaluation read them: what a stored shard or held-out set
+"""Token streams as the learners and the evaluation read them: what a stored shard or held-out set
 holds, and the random windows training draws from it.
 
 Kept apart from the data preparation so that a learner's process needs torch and the store only,
@@ -10,12 +10,6 @@ from __future__ import annotations
 import torch
 
 from infra.store import ObjectRef
-from infra.model_spec import BOS
-
-
-def text_bytes(stream: torch.Tensor) -> int:
-    """UTF-8 bytes of text in an encoded stream (separators are not text)."""
-    return int((stream != BOS).sum())
 
 
 def min_stream_tokens(seq_len: int) -> int:

@@ -4,8 +4,8 @@
 A transformers model is saved as itself. The dense byte GPT is exactly a GPT-2 with zero biases
 (learned positions, pre-norm blocks, exact GELU, tied head; GPT-2 keeps its projections transposed),
 so it is saved as `GPT2LMHeadModel`. The byte GPT with experts has no transformers counterpart: its
-export is refused, naming why. Token ids are the vocabulary's: byte values 0 to 255, and 256 the
-document separator.
+export is refused, naming why. Token ids are the run's: the byte values (or the tokenizer's ids),
+and after them the document separator, which is also the config's bos and eos token.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 
-from infra.model_spec import BOS, BYTE_VOCAB
 
 
 class NotExportable(ValueError):
@@ -33,7 +32,7 @@ def export_model(spec, model: torch.nn.Module, out: Path, dtype: str = "fp32") -
     else:
         raise NotExportable("the byte GPT with experts has no transformers counterpart: its weights stay "
                             "Archipelago's (models/consolidated.safetensors in the run's store)")
-    hf.config.bos_token_id = hf.config.eos_token_id = BOS
+    hf.config.bos_token_id = hf.config.eos_token_id = spec.separator
     out.mkdir(parents=True, exist_ok=True)
     hf.to(DTYPES[dtype]).save_pretrained(out)
     return out
@@ -44,9 +43,9 @@ def gpt2_of(model) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = model.cfg
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=BYTE_VOCAB, n_positions=cfg.max_seq_len, n_embd=cfg.width,
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=cfg.vocab, n_positions=cfg.max_seq_len, n_embd=cfg.width,
                                       n_layer=cfg.layers, n_head=cfg.heads, activation_function="gelu",
-                                      bos_token_id=BOS, eos_token_id=BOS,
+                                      bos_token_id=cfg.vocab - 1, eos_token_id=cfg.vocab - 1,
                                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
                                       tie_word_embeddings=True))
     ours = dict(model.named_parameters())

@@ -1,7 +1,8 @@
 """A byte-level decoder-only transformer, in the spirit of nanoGPT: one readable file.
 
-Vocabulary: the 256 byte values plus one document separator (`BOS`), so that bits per byte are
-counted over exactly the bytes of the text. The feed-forward can be a sparse mixture of experts
+Vocabulary: the run's ids, by default the 256 byte values plus one document separator (`BOS`), so
+that bits per byte are counted over exactly the bytes of the text (or a tokenizer's ids plus one
+separator, `data.tokenizer`). The feed-forward can be a sparse mixture of experts
 with top-k routing and a Switch-style load-balancing loss.
 """
 
@@ -26,15 +27,16 @@ class GPTConfig:
     width: int
     heads: int
     max_seq_len: int
+    vocab: int = BYTE_VOCAB
     experts: int = 0
     top_k: int = 1
     balance_loss_weight: float = 0.0
 
     @classmethod
-    def from_spec(cls, model_spec, max_seq_len: int) -> "GPTConfig":
+    def from_spec(cls, model_spec, max_seq_len: int, vocab: int = BYTE_VOCAB) -> "GPTConfig":
         moe = model_spec.moe
         return cls(layers=model_spec.layers, width=model_spec.width, heads=model_spec.heads,
-                   max_seq_len=max_seq_len, experts=moe.experts if moe else 0,
+                   max_seq_len=max_seq_len, vocab=vocab, experts=moe.experts if moe else 0,
                    top_k=moe.top_k if moe else 1, balance_loss_weight=moe.balance_loss_weight if moe else 0.0)
 
 
@@ -114,11 +116,11 @@ class ByteGPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
-        self.tok = nn.Embedding(BYTE_VOCAB, cfg.width)
+        self.tok = nn.Embedding(cfg.vocab, cfg.width)
         self.pos = nn.Embedding(cfg.max_seq_len, cfg.width)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.ln_f = nn.LayerNorm(cfg.width)
-        self.head = nn.Linear(cfg.width, BYTE_VOCAB, bias=False)
+        self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight  # weight tying
         self.apply(self._init)
         for name, p in self.named_parameters():
@@ -140,7 +142,7 @@ class ByteGPT(nn.Module):
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Training loss: next-byte cross-entropy plus the experts' balance term."""
         logits = self(idx)
-        loss = F.cross_entropy(logits.reshape(-1, BYTE_VOCAB), targets.reshape(-1))
+        loss = F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
         if self.cfg.experts:
             aux = sum(b.ffn.aux_loss for b in self.blocks) / self.cfg.layers
             loss = loss + self.cfg.balance_loss_weight * aux
@@ -163,4 +165,4 @@ class ByteGPT(nn.Module):
 
 
 def build(spec) -> ByteGPT:
-    return ByteGPT(GPTConfig.from_spec(spec.model, spec.max_seq_len))
+    return ByteGPT(GPTConfig.from_spec(spec.model, spec.max_seq_len, spec.vocab_size))

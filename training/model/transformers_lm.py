@@ -14,8 +14,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from infra.model_spec import BYTE_VOCAB
-
 BLOCK = re.compile(r"^lm\.model\.layers\.(\d+)\.")
 EXPERTS = re.compile(r"\.experts\.")
 
@@ -29,7 +27,7 @@ class TransformersLM(nn.Module):
 
     @classmethod
     def from_spec(cls, spec) -> "TransformersLM":
-        return cls(spec.model.transformers.library_config(BYTE_VOCAB, spec.max_seq_len))
+        return cls(spec.model.transformers.library_config(spec.vocab_size, spec.max_seq_len))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=idx).logits
