@@ -134,9 +134,11 @@ def planned_markdown(document: dict) -> list[str]:
 def write_reports(document: dict, out: Path = RESULTS) -> str:
     """The results page of a result file: bench/results/shaped_link.json is docs/results/shaped-link.md,
     bench/results/brief/shaped_link.json docs/results/brief-shaped-link.md, and so on."""
-    name = out.resolve().relative_to(RESULTS.resolve().parent).with_suffix("").as_posix()
-    page = write_results_page(name.replace("/", "-").replace("_", "-"), markdown(document), sources=str(out),
-                              command=f"python -m bench.shaped_link_report {out}",
+    results = RESULTS.resolve().parent
+    name = out.resolve().relative_to(results).with_suffix("").as_posix()
+    source = out.resolve().relative_to(results.parents[1]).as_posix()  # from the repository root
+    page = write_results_page(name.replace("/", "-").replace("_", "-"), markdown(document), sources=source,
+                              command=f"python -m bench.shaped_link_report {source}",
                               commit=document.get("commit"), date=document.get("date"))
     return page.read_text()
 
