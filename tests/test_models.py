@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from infra.spec import SpecError, parse_spec
+from tests.learners import assert_restart_continues_exactly
 from training.exchange.fragments import FragmentLayout
-from training.learner.loop import Learner
 from training.model.params import flat_parameters
 from training.model.registry import build_model
 
@@ -103,22 +103,4 @@ def test_a_restarted_transformers_learner_continues_exactly(two_learner_run, nam
                                   outer={"name": "shampoo", "lr": 0.7, "momentum": 0.9,
                                          "shampoo": {"graft": "sgd", "start_preconditioning_step": 2}},
                                   transport={"fragments": 2, "compression": "int8"})
-    from infra import layout
-    from infra.store import ObjectStore
-    from training.data.shards import prepare_dataset
-
-    uninterrupted = ObjectStore(spec.store.url).child("runs/uninterrupted")
-    uninterrupted.put_json(layout.SPEC, spec.model_dump(mode="json"))
-    prepare_dataset(spec, uninterrupted)
-    straight = Learner(spec, uninterrupted, 0)
-    straight.resume()
-    for t in range(3):
-        straight.run_round(t)
-    first = Learner(spec, store, 0)
-    first.resume()
-    for t in range(2):
-        first.run_round(t)
-    again = Learner(spec, store, 0)
-    again.resume()
-    again.run_round(2)
-    assert torch.equal(flat_parameters(again.model), flat_parameters(straight.model))
+    assert_restart_continues_exactly(spec, store)

@@ -14,6 +14,7 @@ from training.learner.loop import Learner
 from training.learner.ledger import read_summaries
 from training.model.params import flat_parameters
 from tests.corpora import corpus_folder
+from tests.learners import assert_restart_continues_exactly
 
 
 @pytest.fixture
@@ -102,22 +103,7 @@ def test_more_learners_than_documents_stops_before_training(tmp_path):
                                    {"name": "shampoo", "lr": 0.7, "momentum": 0.9,
                                     "shampoo": {"graft": "sgd", "start_preconditioning_step": 2}}])
 def test_a_restarted_learner_continues_exactly_with_its_outer_optimizer_state(run, outer):
-    spec, store = run(outer=outer)
-    uninterrupted = ObjectStore(spec.store.url).child("runs/uninterrupted")
-    uninterrupted.put_json(layout.SPEC, spec.model_dump(mode="json"))
-    prepare_dataset(spec, uninterrupted)
-    straight = Learner(spec, uninterrupted, 0)
-    straight.resume()
-    for t in range(3):
-        straight.run_round(t)
-    first = Learner(spec, store, 0)
-    first.resume()
-    for t in range(2):
-        first.run_round(t)
-    again = Learner(spec, store, 0)  # a new process: outer state only from the checkpoint
-    again.resume()
-    again.run_round(2)
-    assert torch.equal(flat_parameters(again.model), flat_parameters(straight.model))
+    assert_restart_continues_exactly(*run(outer=outer))
 
 
 def test_a_partner_stops_waiting_as_soon_as_a_restart_records_the_round_will_never_come(run):

@@ -15,6 +15,7 @@ from infra import layout
 from infra.spec import load_spec
 from infra.store import run_store
 from tests.corpora import corpus_folder
+from tests.test_lifecycle import TINY
 from tests.test_models import MODELS
 from training.planning.planner import plan_run
 
@@ -28,11 +29,7 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline
         "name": f"hf-{name}", "model": MODELS[name],
         "islands": [{"name": "east", "learners": 2, "batch_size": 4, "seq_len": 32, "inner_steps": 3},
                     {"name": "west", "learners": 2, "batch_size": 8, "seq_len": 32, "inner_steps": 2}],
-        "data": {"corpora": [
-            {"name": "prose", "source": "shakespeare", "max_documents": 8, "eval_fraction": 0.2,
-             "max_eval_bytes": 20000},
-            {"name": "code", "source": "python_stdlib", "max_documents": 24, "eval_fraction": 0.2,
-             "max_eval_bytes": 20000}]},
+        "data": {"corpora": TINY["data"]["corpora"]},
         "training": {"warmup_steps": 2},
         "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 60,
                  "transport": {"fragments": 2, "compression": "int8"}},
