@@ -49,7 +49,7 @@ def test_a_transformers_config_the_library_refuses_is_named_before_any_work(conf
 def test_a_transformers_section_needs_its_kind():
     with pytest.raises(SpecError, match="needs the transformers section"):
         spec_with({"kind": "transformers"})
-    with pytest.raises(SpecError, match="is for kind transformers"):
+    with pytest.raises(SpecError, match="are for kind transformers, not byte_gpt"):
         spec_with({"transformers": MODELS["llama"]["transformers"]})
 
 
