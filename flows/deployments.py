@@ -22,7 +22,7 @@ from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.setup import flow_run_run_id
-from tasks.training import train_learner
+from tasks.training import train_learner, train_standard
 
 
 @flow(name="segment", persist_result=False, result_serializer=RESULT_SERIALIZER)
@@ -43,6 +43,16 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
                 for slot in spec.learners if slot.island.name == island]
     results = [learner.result() for learner in learners]
     return {"island": island, "finished": all(r["finished"] for r in results), "learners": results}
+
+
+@flow(name="baseline", persist_result=False, result_serializer=RESULT_SERIALIZER)
+def baseline(spec: RunSpec, run_id: str) -> dict:
+    """Standard training on the island `evaluation.baseline_island` names, on its device; its model is
+    signed by the island."""
+    island = spec.evaluation.baseline_island
+    load_credential_blocks(spec, island)
+    train = train_standard.with_options(result_storage=result_storage(spec.store, RecordSigning.of(spec, island)))
+    return train(spec, run_id, writer=island)
 
 
 @flow(name="archipelago", persist_result=False, result_serializer=RESULT_SERIALIZER)

@@ -31,7 +31,7 @@ from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_fig
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.segments import island_segments, stop_segments
 from tasks.setup import start_run
-from tasks.training import consolidate_learners, train_learner, train_standard
+from tasks.training import consolidate_learners, island_baseline, train_learner, train_standard
 from training.stages import new_run_id
 
 
@@ -55,7 +55,10 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
         for segment in segments:
             segment.result()
         consensus = consolidate_learners(spec, run_id)
-        baseline = train_standard(spec, run_id) if spec.evaluation.baseline == "standard" else None
+        baseline = None
+        if spec.evaluation.baseline == "standard":
+            on_island = spec.evaluation.baseline_island is not None and islands_via == "deployments"
+            baseline = island_baseline(spec, run_id) if on_island else train_standard(spec, run_id)
         evals = evaluate_models(spec, run_id)
         curve = evaluate_curve_points(spec, run_id)
         report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)

@@ -226,7 +226,7 @@ def register(spec: RunSpec) -> dict[str, str]:
     Each deployment's entrypoint is its flow's module path (`flows.deployments.segment`): a worker runs
     it from the project as installed in the worker's Python, with no pull step and no path of the
     machine that registered it, so a remote site needs only `pip install` of the same commit."""
-    from flows.deployments import archipelago, plan, segment
+    from flows.deployments import archipelago, baseline, plan, segment
 
     asyncio.run(_ensure_process_pools(pools_of(spec)))
     now = datetime.now(timezone.utc)
@@ -247,6 +247,8 @@ def register(spec: RunSpec) -> dict[str, str]:
         pool = island_pool(island.name)
         ids[f"segment/{pool}"] = deploy(segment, pool, pool, description=f"Training segments of island "
                                         f"{island.name}, started by the lifecycle per capacity window.")
+        ids[f"baseline/{pool}"] = deploy(baseline, pool, pool, description=f"Standard training on island "
+                                         f"{island.name}, when the spec's evaluation.baseline_island names it.")
     return ids
 
 

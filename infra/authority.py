@@ -38,6 +38,8 @@ _LEARNER_KEY = re.compile(r"^(?:learners/|liveness/learner-)(\d{3,})/")
 # Drill markers (`layout.fault_marker`) are written by learners and by the control plane alike; a
 # forged one can only keep an injected fault from striking.
 _ANY_WRITER = ("faults/", "_probe/")
+# Standard training's model and snapshots, possibly rewritten (layout.rewrite): an island may train it.
+_BASELINE_KEY = re.compile(r"^(?:rewrites/\d+/)?models/baseline")
 
 
 class Unauthenticated(IntegrityError):
@@ -139,6 +141,7 @@ class Authority:
     public_keys: dict[str, Ed25519PublicKey]
     island_of_learner: tuple[str, ...]
     signer: Signer | None = None
+    baseline_island: str | None = None  # the island that trains standard training, besides the control plane
 
     @classmethod
     def of(cls, spec, writer: str | None) -> "Authority | None":
@@ -151,7 +154,7 @@ class Authority:
         signer = None
         if writer is not None:
             signer = Signer.from_environment(writer, signing_section(spec, writer).private_key_env)
-        return cls(keys, tuple(slot.island.name for slot in spec.learners), signer)
+        return cls(keys, tuple(slot.island.name for slot in spec.learners), signer, spec.evaluation.baseline_island)
 
     def writer_of(self, name: str) -> tuple[str, ...]:
         """Who may sign the object `name` (relative to the store's outermost root)."""
@@ -161,6 +164,8 @@ class Authority:
         rest = key.group(1)
         if rest.startswith(_ANY_WRITER):
             return tuple(self.public_keys)
+        if self.baseline_island is not None and _BASELINE_KEY.match(rest):
+            return (CONTROL, self.baseline_island)
         learner = _LEARNER_KEY.match(rest)
         if learner is None:
             return (CONTROL,)

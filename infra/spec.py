@@ -285,6 +285,10 @@ class EvaluationSpec(SpecModel):
         "standard", description="standard: train standard data-parallel training on the same shards and tokens "
                                 "and score both models; none: score the islands' model alone (no baseline is "
                                 "trained, and the report says so).")
+    baseline_island: str | None = Field(
+        None, description="Train standard training on this island: on its work pool (a run of its `baseline` "
+                          "deployment, when the run's islands run as deployments) and its device, instead of "
+                          "the control plane's CPU. Empty: on the control plane.")
     batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="Windows per forward pass during evaluation.")
 
 
@@ -336,6 +340,16 @@ class RunSpec(SpecModel):
                 raise ValueError(f"faults.{n}.learner: {fault.learner} but the run has {learners} learners")
             if getattr(fault, "round", 0) >= self.sync.rounds:
                 raise ValueError(f"faults.{n}.round: {fault.round} but the run has {self.sync.rounds} rounds")
+        return self
+
+    @model_validator(mode="after")
+    def _baseline_island_exists(self) -> "RunSpec":
+        island = self.evaluation.baseline_island
+        if island is not None and island not in {i.name for i in self.islands}:
+            raise ValueError(f"evaluation.baseline_island: {island!r} is not one of the islands "
+                             f"{[i.name for i in self.islands]}")
+        if island is not None and self.evaluation.baseline == "none":
+            raise ValueError("evaluation.baseline_island: there is no baseline to place (evaluation.baseline: none)")
         return self
 
     @model_validator(mode="after")

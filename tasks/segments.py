@@ -30,6 +30,7 @@ from tasks.stage import stage
 from training.learner.ledger import finished
 
 SEGMENT_FLOW = "segment"
+BASELINE_FLOW = "baseline"
 
 
 def island_pool(island: str) -> str:
@@ -39,6 +40,11 @@ def island_pool(island: str) -> str:
 def segment_deployment(island: str) -> str:
     """The deployment of an island's segments: `segment/island-<name>`, on work pool `island-<name>`."""
     return f"{SEGMENT_FLOW}/{island_pool(island)}"
+
+
+def baseline_deployment(island: str) -> str:
+    """The deployment that trains standard training on an island: `baseline/island-<name>`."""
+    return f"{BASELINE_FLOW}/{island_pool(island)}"
 
 
 def segment_tags(run_id: str, island: str | None = None) -> list[str]:

@@ -10,10 +10,15 @@ from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.deployments import run_deployment
 
+from infra import layout
+from infra.authority import CONTROL
+from infra.derived import read_derived
 from infra.spec import RunSpec
 from infra.stores import open_run
 from tasks.faults import fail_once_if_asked
+from tasks.segments import baseline_deployment, segment_tags
 from tasks.stage import stage
 from training import stages
 from training.baseline import train_baseline
@@ -85,12 +90,34 @@ def consolidate_learners(spec: RunSpec, run_id: str) -> dict:
 
 
 @stage("train-standard-baseline")
-def train_standard(spec: RunSpec, run_id: str) -> dict:
+def train_standard(spec: RunSpec, run_id: str, writer: str = CONTROL) -> dict:
+    """Standard training, by the control plane or (`writer`) the island `evaluation.baseline_island`
+    names, on that island's device."""
     fail_once_if_asked(spec, run_id, "baseline")
     logger = get_run_logger()
+    island = next((i for i in spec.islands if i.name == spec.evaluation.baseline_island), None)
 
     def progress(p: dict) -> None:
         logger.info("baseline step %d/%d loss %.4f, %s tokens/s, ETA %.0f s", p["step"], p["steps"], p["loss"],
                     f"{p['tokens_per_s']:,}", p["eta_s"])
 
-    return train_baseline(spec, open_run(spec, run_id), progress)
+    return train_baseline(spec, open_run(spec, run_id, writer=writer), progress, device=island.device if island else "cpu",
+                          reader=None if writer == CONTROL else writer)
+
+
+@stage("island-baseline", task_run_name="train-standard-baseline-on-island")
+def island_baseline(spec: RunSpec, run_id: str) -> dict:
+    """Standard training as a run of the `baseline` deployment of the island the spec names, on its work
+    pool; what it trained is read back from the run's store."""
+    island = spec.evaluation.baseline_island
+    flow_run = run_deployment(baseline_deployment(island), parameters={"spec": spec.model_dump(mode="json"),
+                                                                       "run_id": run_id},
+                              tags=segment_tags(run_id, island), flow_run_name=f"{run_id}-{island}-baseline",
+                              poll_interval=2)
+    if not flow_run.state.is_completed():
+        raise RuntimeError(f"island {island}: baseline {flow_run.name} on work pool {flow_run.work_pool_name} "
+                           f"ended {flow_run.state.name}: {flow_run.state.message}")
+    _, meta, _ = read_derived(open_run(spec, run_id, writer=None), layout.BASELINE)
+    get_run_logger().info("standard training ran on work pool %s", flow_run.work_pool_name)
+    return {"tokens": meta["tokens"], "steps": meta["steps"], "global_batch": meta["global_batch"],
+            "island": island, "work_pool": flow_run.work_pool_name}

@@ -3,7 +3,7 @@ server per site, one Prefect server asking for an auth string (started as `archi
 it), the sites' keys as Secret blocks, the pools and deployments made by `archipelago deploy`, one
 worker per pool with the environment the quick start names, started outside the repository (a site
 has the project installed, not this checkout's path), and the run started from the `lifecycle`
-deployment with `prefect deployment run`."""
+deployment with `prefect deployment run`; standard training runs on west's pool (`evaluation.baseline_island`)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def worker_environment(client_env: dict, run_store_server) -> dict:
 
 def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monkeypatch):
     from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     corpus = corpus_folder(tmp_path)
@@ -76,12 +78,16 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 "name": "quickstart",
                 "islands": [{"name": site, "learners": 1, "batch_size": 4, "seq_len": 32, "inner_steps": 2,
                              "store": {"url": f"s3://{site}-runs/islands", "endpoint_url": server.endpoint_url,
-                                       "credentials_env": site.upper(), "credentials_block": f"{site}-store-keys"}}
+                                       "credentials_env": site.upper(), "credentials_block": f"{site}-store-keys",
+                                       "read_credentials_env": f"{site.upper()}_READ",
+                                       "read_credentials_block": f"{site}-store-keys"}}
                             for site, server in (("east", east), ("west", west))],
                 "model": {"layers": 1, "width": 32, "heads": 2},
                 "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
                                       "eval_fraction": 0.2}]},
                 "training": {"warmup_steps": 1},
+                # Standard training on west's pool, not on the control plane's.
+                "evaluation": {"baseline_island": "west"},
                 "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 60},
                 "store": {"url": "s3://east-runs/archipelago", "endpoint_url": east.endpoint_url},
             }))
@@ -102,7 +108,11 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 started = command("prefect", "deployment", "run", "archipelago/lifecycle", "--watch",
                                   "--watch-interval", "2", "--watch-timeout", str(RUN_TIMEOUT_S), env=client_env,
                                   cwd=tmp_path, timeout=RUN_TIMEOUT_S + 60)
+                with temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}), \
+                        get_client(sync_client=True) as client:
+                    baselines = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["baseline"])))
         flow_run_id = re.search(r"UUID: ([0-9a-f-]{36})", started).group(1)  # `command()` saw it end Completed
+        assert [(run.work_pool_name, run.state.name) for run in baselines] == [("island-west", "Completed")]
 
         # Where the results appear: the report in the run's store, each learner's summary in its island's.
         run_id = f"quickstart-{flow_run_id.replace('-', '')}"
@@ -113,6 +123,7 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
         assert set(report["evals"]) == {"text"}
         assert all(0 < scores["islands_bpb"] < 8 and 0 < scores["baseline_bpb"] < 8
                    for scores in report["evals"].values())
+        assert report["faults"]["missed_exchanges"] == 0  # each site read the other's messages with its read key
         for learner, island in enumerate(spec.islands):
             summary = run_store(island.store, run_id).get_json(layout.learner_summary(learner))
             assert sorted(r["round"] for r in summary["rounds"]) == list(range(spec.sync.rounds)), island.name

@@ -52,17 +52,19 @@ class BaselinePlan:
                 for rows, slot in zip(self.planned_rows, self.slots)]
 
 
-def shard_samplers(spec: RunSpec, store, learners: list[int]) -> dict[int, WindowSampler]:
+def shard_samplers(spec: RunSpec, store, learners: list[int], reader: str | None = None) -> dict[int, WindowSampler]:
     """The baseline's window samplers over the given learners' shards (seeded apart from the learners').
-    `store`: the run's; each shard lies in its learner's island's store, where data preparation put it."""
+    `store`: the run's; each shard lies in its learner's island's store, where data preparation put it.
+    `reader`: the island training the baseline, which reads other islands' stores with their read-only keys."""
     manifest = store.get_json(layout.DATA_MANIFEST)
-    stores = RunStores(spec, store)
+    stores = RunStores(spec, store, reader=reader)
     return {i: WindowSampler(read_stream(stores.island(spec.learners[i].island.name), manifest["shards"][i]),
                              spec.learners[i].island.seq_len,
                              seed=spec.seed * 7919 + i + 1_000_003) for i in learners}
 
 
-def accumulate_gradients(model, plan: BaselinePlan, samplers: dict[int, WindowSampler], step: int) -> tuple[float, int]:
+def accumulate_gradients(model, plan: BaselinePlan, samplers: dict[int, WindowSampler], step: int,
+                         device: torch.device = torch.device("cpu")) -> tuple[float, int]:
     """Backward the step's rows of the shards in `samplers`, each weighted by its share of the whole
     global batch; so gradients accumulated by several processes over disjoint shards sum to the
     global batch's gradient. Returns (this part's loss contribution, the global batch's tokens)."""
@@ -74,7 +76,7 @@ def accumulate_gradients(model, plan: BaselinePlan, samplers: dict[int, WindowSa
         if n == 0:
             continue
         inputs, targets = sampler.batch(rows_at_step(step, plan.steps, plan.planned_rows[index]))
-        loss = model.loss(inputs, targets) * (n / total)  # token-weighted, as one global batch
+        loss = model.loss(inputs.to(device), targets.to(device)) * (n / total)  # token-weighted, as one global batch
         loss.backward()
         loss_sum += loss.item()
     return loss_sum, total
@@ -113,21 +115,23 @@ class DataParallelRank:
 
 
 def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lambda _: None,
-                   rank: DataParallelRank | None = None, max_steps: int | None = None) -> dict:
-    """Standard training on the run's shards, in this process or (with `rank`) as one rank of several.
-    `max_steps` stops early, a measured subset of the plan's steps; only a whole single-process run
-    commits the snapshots the bpb curve scores."""
+                   rank: DataParallelRank | None = None, max_steps: int | None = None, device: str = "cpu",
+                   reader: str | None = None) -> dict:
+    """Standard training on the run's shards on `device`, in this process or (with `rank`) as one rank of
+    several. `max_steps` stops early, a measured subset of the plan's steps; only a whole single-process
+    run commits the snapshots the bpb curve scores. `reader`: the island it trains on, if any."""
     plan = BaselinePlan.of(spec)
     steps, global_batch = plan.steps, plan.global_batch
     run_steps = steps if max_steps is None else min(max_steps, steps)
-    samplers = shard_samplers(spec, store, rank.learners if rank else [slot.index for slot in plan.slots])
-    model = initial_model(spec, store)
+    samplers = shard_samplers(spec, store, rank.learners if rank else [slot.index for slot in plan.slots], reader)
+    on = torch.device(device)
+    model = initial_model(spec, store).to(on)
     optimizer = baseline_optimizer(spec, model)
     tokens, summing, gradient_bytes, started = 0, 0.0, 0, time.monotonic()
     snapshots = set(snapshot_steps(spec.sync.rounds, steps)) if rank is None and max_steps is None else set()
     for step in range(run_steps):
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, total = accumulate_gradients(model, plan, samplers, step)
+        loss_sum, total = accumulate_gradients(model, plan, samplers, step, on)
         if rank is not None:
             began = time.monotonic()
             gradient_bytes = rank.sum_gradients(model)
@@ -135,7 +139,7 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
         optimizer_step(model, optimizer, learning_rate(step, steps, baseline_lr(spec), spec.training.warmup_steps))
         tokens += total
         if step in snapshots and step != steps - 1:
-            commit_derived(store, layout.baseline_snapshot(step), {"weights": flat_parameters(model)},
+            commit_derived(store, layout.baseline_snapshot(step), {"weights": flat_parameters(model).cpu()},
                            {"tokens": tokens, "step": step})
         if step % 25 == 0 or step == run_steps - 1:
             elapsed = time.monotonic() - started
@@ -145,7 +149,7 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
     seconds = time.monotonic() - started
     result = {"tokens": tokens, "steps": run_steps, "steps_planned": steps, "global_batch": global_batch}
     if rank is None or rank.commits:
-        commit_derived(store, layout.BASELINE, {"weights": flat_parameters(model)}, {**result, "seconds": seconds})
+        commit_derived(store, layout.BASELINE, {"weights": flat_parameters(model).cpu()}, {**result, "seconds": seconds})
     if rank is not None:
         result.update(seconds_wall=seconds, seconds_summing=summing, gradient_bytes_per_step=gradient_bytes)
     return result
