@@ -54,7 +54,7 @@ BAD_SPECS = [
     ("seed 2**63", lambda r: r.update(seed=2**63), "seed"),
     ("width 10**6", lambda r: r["model"].update(width=10**6, heads=2), "model.width"),
     ("batch 10**6", lambda r: r["islands"][0].update(batch_size=10**6), "islands.0.batch_size"),
-    ("eval batch 10**6", lambda r: r.update(eval={"batch_size": 10**6}), "eval.batch_size"),
+    ("eval batch 10**6", lambda r: r.update(evaluation={"batch_size": 10**6}), "evaluation.batch_size"),
     ("inner steps 10**9", lambda r: r["islands"][1].update(inner_steps=10**9), "islands.1.inner_steps"),
     ("rounds 10**9", lambda r: r["sync"].update(rounds=10**9), "sync.rounds"),
     ("corpus name '-code' (bad key segment)", lambda r: r["data"]["corpora"][0].update(name="-code"),
@@ -124,7 +124,7 @@ def test_validation_errors_never_echo_a_credential_given_in_the_spec(tmp_path):
 def test_the_bounds_leave_a_plain_endpoint_and_generous_sizes_valid(tmp_path):
     """The new limits refuse typos, not real settings."""
     raw = tiny_raw(str(tmp_path / "store"))
-    raw.update(seed=2**32 - 1, eval={"batch_size": 4096})
+    raw.update(seed=2**32 - 1, evaluation={"batch_size": 4096})
     raw["model"].update(width=8192, heads=64)
     raw["islands"][0].update(batch_size=4096, inner_steps=100_000)
     raw["sync"].update(rounds=100_000)
