@@ -1,5 +1,7 @@
-"""The model section of a run spec: the built-in byte GPT, or a transformers causal LM built from its
-config (no weights downloaded, no code from the hub: `trust_remote_code` is never set).
+"""The model section of a run spec: the built-in byte GPT, a transformers causal LM built from its
+config (no weights downloaded, no code from the hub: `trust_remote_code` is never set), or a model an
+installed package registers under the entry-point group `archipelago.models` (a spec names the entry
+point, never an import path).
 
 A transformers architecture is one of a fixed list, named in the spec and mapped here to the
 library's class; its config is the library's own config class, so a field the library refuses is
@@ -8,6 +10,7 @@ named when the spec is loaded, before any work.
 
 from __future__ import annotations
 
+from importlib.metadata import EntryPoint, entry_points
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -23,6 +26,15 @@ BYTE_VOCAB = 257
 TRANSFORMERS_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "mixtral",
                               "Qwen2MoeForCausalLM": "qwen2_moe"}
 ConfigValue = int | float | bool | str | None | list[int] | list[str]
+BUILT_IN = ("byte_gpt", "transformers")
+ENTRY_POINTS = "archipelago.models"
+# What every model answers (training/model/registry.py); a registered model is checked for it when built.
+INTERFACE = ("forward", "loss", "block_of", "parameter_counts")
+
+
+def registered_models() -> dict[str, EntryPoint]:
+    """Models installed packages register: entry point name -> `factory(options, vocab_size, max_seq_len)`."""
+    return {point.name: point for point in entry_points(group=ENTRY_POINTS)}
 
 
 class MoESpec(SpecModel):
@@ -73,14 +85,20 @@ class TransformersModelSpec(SpecModel):
 
 
 class ModelSpec(SpecModel):
-    kind: Literal["byte_gpt", "transformers"] = Field(
-        "byte_gpt", description="byte_gpt: the built-in byte-level GPT (layers, width, heads, moe); transformers: "
-                                "a transformers causal LM (the transformers section).")
+    kind: str = Field(
+        "byte_gpt", pattern=r"^[a-z][a-z0-9_]{0,47}$",
+        description="byte_gpt: the built-in byte-level GPT (layers, width, heads, moe); transformers: a "
+                    "transformers causal LM (the transformers section); or the name of a model an installed "
+                    f"package registers under the entry-point group `{ENTRY_POINTS}` (options).")
     layers: int = Field(2, ge=1, le=64, description="byte_gpt: transformer blocks.")
     width: int = Field(128, ge=8, le=MAX_WIDTH, description="byte_gpt: residual stream width (d_model).")
     heads: int = Field(4, ge=1, le=256, description="byte_gpt: attention heads; must divide width.")
     moe: MoESpec | None = Field(None, description="byte_gpt: sparse mixture-of-experts feed-forward; dense when absent.")
     transformers: TransformersModelSpec | None = Field(None, description="kind transformers: the architecture and config.")
+    options: dict[str, ConfigValue] = Field(
+        default_factory=dict, max_length=64,
+        description="A registered model's options, handed to its factory with the vocabulary's size and the "
+                    "longest seq_len.")
     init_from: str | None = Field(
         None, max_length=1024,
         description="kind transformers: a folder in the transformers format (config.json and safetensors "
@@ -90,6 +108,14 @@ class ModelSpec(SpecModel):
 
     @model_validator(mode="after")
     def _shape(self) -> "ModelSpec":
+        if self.kind not in BUILT_IN:
+            installed = registered_models()
+            if self.kind not in installed:
+                raise ValueError(f"kind {self.kind!r} is neither built in {list(BUILT_IN)} nor registered by an "
+                                 f"installed package under {ENTRY_POINTS} (registered: {sorted(installed)})")
+            self.build_registered(BYTE_VOCAB, 16, meta=True)
+        elif self.options:
+            raise ValueError(f"options are for a registered model, not kind {self.kind}")
         if self.kind == "transformers":
             if self.transformers is None:
                 raise ValueError("kind transformers needs the transformers section (architecture, config)")
@@ -100,7 +126,21 @@ class ModelSpec(SpecModel):
             raise ValueError(f"heads {self.heads} must divide width {self.width}")
         return self
 
+    def build_registered(self, vocab_size: int, max_seq_len: int, meta: bool = False):
+        """A registered model, built by its package's factory (on the meta device: nothing allocated)."""
+        import torch
+
+        point = registered_models()[self.kind]
+        with torch.device("meta") if meta else torch.device("cpu"):
+            model = point.load()(dict(self.options), vocab_size, max_seq_len)
+        missing = [name for name in INTERFACE if not callable(getattr(model, name, None))]
+        if missing:
+            raise ValueError(f"kind {self.kind!r} ({point.value}): its model has no {', '.join(missing)}")
+        return model
+
     def describe(self) -> str:
+        if self.kind not in BUILT_IN:
+            return f"{self.kind} (registered by {registered_models()[self.kind].value})"
         if self.kind == "transformers":
             config = self.transformers.library_config(BYTE_VOCAB, 2048)
             return (f"{self.transformers.architecture}, {config.num_hidden_layers} layers x "
@@ -113,10 +153,15 @@ class ModelSpec(SpecModel):
         """Transformer blocks: what fragments are dealt from."""
         if self.kind == "transformers":
             return int(self.transformers.library_config(BYTE_VOCAB, 2048).num_hidden_layers)
+        if self.kind not in BUILT_IN:
+            model = self.build_registered(BYTE_VOCAB, 16, meta=True)
+            return len({model.block_of(name) for name, _ in model.named_parameters()} - {None})
         return self.layers
 
     def parameter_count(self, max_seq_len: int, vocab_size: int = BYTE_VOCAB) -> int:
         """The model's parameters, counted without allocating them."""
+        if self.kind not in BUILT_IN:
+            return sum(p.numel() for p in self.build_registered(vocab_size, max_seq_len, meta=True).parameters())
         if self.kind == "transformers":
             import torch
             from transformers import AutoModelForCausalLM

@@ -9,6 +9,7 @@ import torch
 from infra.spec import SpecError, parse_spec
 from tests.learners import assert_restart_continues_exactly
 from training.exchange.fragments import FragmentLayout
+from training.learner.loop import Learner
 from training.model.params import flat_parameters
 from training.model.registry import build_model
 
@@ -104,3 +105,45 @@ def test_a_restarted_transformers_learner_continues_exactly(two_learner_run, nam
                                          "shampoo": {"graft": "sgd", "start_preconditioning_step": 2}},
                                   transport={"fragments": 2, "compression": "int8"})
     assert_restart_continues_exactly(spec, store)
+
+
+@pytest.fixture
+def installed_model(tmp_path, monkeypatch):
+    """A package installed beside the tests that registers a model under `archipelago.models`."""
+    site = tmp_path / "site"
+    (site / "tiny_models").mkdir(parents=True)
+    (site / "tiny_models" / "__init__.py").write_text(
+        "from training.model.gpt import ByteGPT, GPTConfig\n\n"
+        "def build(options, vocab_size, max_seq_len):\n"
+        "    return ByteGPT(GPTConfig(layers=options['layers'], width=16, heads=2, max_seq_len=max_seq_len,\n"
+        "                             vocab=vocab_size))\n\n"
+        "def build_broken(options, vocab_size, max_seq_len):\n"
+        "    import torch\n"
+        "    return torch.nn.Linear(2, 2)\n")
+    dist = site / "tiny_models-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-models\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[archipelago.models]\ntiny = tiny_models:build\n"
+                                           "broken = tiny_models:build_broken\n")
+    monkeypatch.syspath_prepend(str(site))
+
+
+def test_a_model_an_installed_package_registers_trains_like_the_built_in_ones(installed_model, two_learner_run):
+    spec, store = two_learner_run("registered", layers=1, inner_steps=2, rounds=2, partner_timeout_s=0.3,
+                                  model={"kind": "tiny", "options": {"layers": 2}}, transport={"fragments": 2})
+    model = build_model(spec)
+    assert spec.model.blocks == 2 and "tiny_models:build" in spec.model.describe()
+    assert model.parameter_counts()["total"] == spec.model.parameter_count(spec.max_seq_len, spec.vocab_size)
+    learner = Learner(spec, store, 0)
+    learner.resume()
+    learner.run_round(0)
+    assert not torch.equal(flat_parameters(learner.model), flat_parameters(model))
+
+
+def test_a_model_kind_nothing_registers_or_without_the_interface_is_named(installed_model):
+    with pytest.raises(SpecError, match=r"neither built in .* nor registered .* \(registered: \['broken', 'tiny'\]\)"):
+        spec_with({"kind": "unknown"})
+    with pytest.raises(SpecError, match="its model has no loss, block_of, parameter_counts"):
+        spec_with({"kind": "broken"})
+    with pytest.raises(SpecError, match="options are for a registered model"):
+        spec_with({"options": {"layers": 2}})

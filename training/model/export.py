@@ -27,10 +27,10 @@ def export_model(spec, model: torch.nn.Module, out: Path, dtype: str = "fp32") -
     """Write `model` (the spec's, with its trained weights) to the folder `out`; returns it."""
     if spec.model.kind == "transformers":
         hf = model.lm
-    elif spec.model.moe is None:
+    elif spec.model.kind == "byte_gpt" and spec.model.moe is None:
         hf = gpt2_of(model)
     else:
-        raise NotExportable("the byte GPT with experts has no transformers counterpart: its weights stay "
+        raise NotExportable(f"{spec.model.describe()} has no transformers counterpart: its weights stay "
                             "Archipelago's (models/consolidated.safetensors in the run's store)")
     hf.config.bos_token_id = hf.config.eos_token_id = spec.separator
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The model a run spec names: the built-in byte GPT, or a transformers causal LM."""
+"""The model a run spec names: the built-in byte GPT, a transformers causal LM, or a model an installed
+package registers (`infra.model_spec.registered_models`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from training.model.params import flat_parameters, load_flat_parameters
 def build_model(spec) -> torch.nn.Module:
     """A run spec's initial model: every learner and the baseline start from these same weights."""
     torch.manual_seed(spec.seed)
+    if spec.model.kind not in ("byte_gpt", "transformers"):
+        return spec.model.build_registered(spec.vocab_size, spec.max_seq_len)
     if spec.model.kind == "transformers":
         from training.model.transformers_lm import TransformersLM
 
