@@ -131,8 +131,9 @@ def medians(runs: list[dict]) -> dict:
 def markdown(runs: list[dict]) -> str:
     m = medians(runs)
     bpb = [k for k in m["clean"] if k.startswith("bpb_")]
-    killed = next(r["kill"] for r in runs if r["kill"])
-    lines = [f"# Kill drill: learner {killed['learner']} killed in round {killed['round']}, against the clean run", "",
+    killed = next((r["kill"] for r in runs if r["kill"]), None)
+    lines = [f"# Kill drill: learner {killed['learner']} killed in round {killed['round']}, against the clean run"
+             if killed else "# Kill drill: the clean runs so far", "",
              "| arm | runs | wall s (median) | " + " | ".join(bpb) + " | wall vs clean | largest bpb change |",
              "|---|---|---|" + "---|" * len(bpb) + "---|---|"]
     for arm, row in m.items():
