@@ -34,6 +34,8 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline
         "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 60,
                  "transport": {"fragments": 2, "compression": "int8"}},
         "evaluation": {"baseline": baseline},
+        # The Llama run's learner 1 is SIGKILLed mid-round and resumes from its checkpoint.
+        "faults": [{"kind": "kill_learner", "learner": 1, "round": 1}] if name == "llama" else [],
         "store": {"url": str(tmp_path / "store")},
     }
     config.write_text(yaml.safe_dump(raw))
@@ -64,6 +66,8 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline
     planned = plan_run(spec, {"east": 0.01, "west": 0.01}, 1e18)["exchange_bytes"]
     assert report["communication"]["inter_island_bytes"] == planned["inter"] > 0
     assert report["communication"]["intra_island_bytes"] == planned["intra"] > 0
+    if name == "llama":
+        assert report["faults"]["injected"]["kill_learner"] == 1 and report["faults"]["recovered"] == 1
     store = run_store(spec.store, report["run_id"])
     assert store.is_committed(layout.CONSOLIDATED)
     assert store.is_committed(layout.BASELINE) == (baseline == "standard")
