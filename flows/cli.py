@@ -15,7 +15,7 @@ import yaml
 
 from infra import layout
 from infra.lease import LeaseHeld
-from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, parse_spec
+from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, parse_spec, spec_sha256
 from infra.store import StoreError, run_store
 from infra.store_spec import StoreSpec
 from infra.stores import check_stores_reachable, open_run
@@ -106,11 +106,21 @@ def run(args: argparse.Namespace) -> int:
 
 def resume(args: argparse.Namespace) -> int:
     """Continue a run from its store: completed stages come back from their persisted results,
-    learners restart from their newest checkpoints."""
+    learners restart from their newest checkpoints. With `--config`, the spec is the user's file and
+    the store's copy must be that spec (signed by the control plane when it has keys); without, the
+    store's copy is taken as it is."""
     try:
-        store = run_store(StoreSpec(url=args.store, endpoint_url=args.endpoint_url), args.run_id)
-        spec = RunSpec.model_validate(store.get_json(layout.SPEC))
-    except (StoreError, ValueError) as err:  # ValueError: pydantic's, for a bad --store/--endpoint-url
+        if args.config:
+            spec = load_spec(args.config)
+            stored = open_run(spec, args.run_id, writer=None).get_json(layout.SPEC)
+            if spec_sha256(stored) != spec_sha256(spec):
+                print(f"error: cannot resume {args.run_id}: its store holds another spec than {args.config}",
+                      file=sys.stderr)
+                return 2
+        else:
+            store = run_store(StoreSpec(url=args.store, endpoint_url=args.endpoint_url), args.run_id)
+            spec = RunSpec.model_validate(store.get_json(layout.SPEC))
+    except (StoreError, ValueError) as err:  # ValueError: pydantic's and SpecError, for bad input
         print(f"error: cannot resume {args.run_id}: {err}", file=sys.stderr)
         return 2
     return _launch(spec, args.run_id, args.report)
@@ -325,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     run_parser.set_defaults(handler=run)
     resume_parser = commands.add_parser("resume", help="continue an interrupted or failed run")
     resume_parser.add_argument("run_id")
+    resume_parser.add_argument("--config", help="the run's spec YAML: the store's copy must be it (else the store's "
+                                                "copy is taken as it is, with --store)")
     resume_parser.add_argument("--store", default=".archipelago/store", help="the run's store root")
     resume_parser.add_argument("--endpoint-url", default=None, help="S3 endpoint, if not $AWS_ENDPOINT_URL")
     resume_parser.add_argument("--report", help="write the report JSON here")

@@ -3,6 +3,9 @@
 import yaml
 
 from flows.cli import main
+from infra import layout
+from infra.spec import load_spec
+from infra.store import ObjectStore
 from tests.test_spec import demo_raw
 
 
@@ -45,3 +48,16 @@ def test_a_capacity_window_already_over_is_refused_naming_island_and_window(tmp_
     assert main(["run", write_config(tmp_path, islands=raw["islands"])]) == 2
     err = capsys.readouterr().err
     assert "islands.1.windows.0" in err and "west" in err and "has already ended" in err
+
+
+def test_resume_with_the_config_refuses_a_store_whose_spec_is_not_it(tmp_path, capsys):
+    config = write_config(tmp_path, store={"url": str(tmp_path / "store")})
+    spec = load_spec(config)
+    store = ObjectStore(spec.store.url).child("runs/r")
+    planted = spec.model_dump(mode="json")
+    planted["sync"]["rounds"] += 1  # a store writer's spec: one more round of somebody's choosing
+    store.put_json(layout.SPEC, planted)
+    assert main(["resume", "r", "--config", config]) == 2
+    assert f"its store holds another spec than {config}" in capsys.readouterr().err
+    assert main(["resume", "no-such-run", "--config", config]) == 2
+    assert "cannot resume no-such-run" in capsys.readouterr().err

@@ -60,7 +60,7 @@ def test_a_failed_evaluation_reruns_only_evaluation_and_report(s3_env, prefect_a
     failed = _latest_flow_run()
     assert failed.state.is_failed()
 
-    assert main(["resume", run_id, "--store", TINY["store"]["url"]]) == 0
+    assert main(["resume", run_id, "--config", str(config)]) == 0  # the store's spec must be this one
     out, _ = capsys.readouterr()
     retried = _latest_flow_run()
     assert retried.id != failed.id and f"stages of flow run {retried.id}" in out
