@@ -28,7 +28,7 @@ from bench.results_page import provenance
 from eval.evaluate import heldout_bpb
 from infra import layout
 from infra.spec import RunSpec, load_spec
-from infra.store import ObjectStore, run_store
+from infra.store import ObjectStore
 from training.learner.ledger import read_summaries
 
 PRECISIONS = ("fp32", "bf16")
@@ -52,13 +52,12 @@ def check_spec(base: RunSpec, store_url: str, precision: str) -> RunSpec:
 
 def prepare(args) -> None:
     from training.data.shards import prepare_dataset  # the corpora's libraries, needed here only
+    from training.stages import start_run
 
     base = load_spec(args.config)
     for precision in PRECISIONS:
         spec = check_spec(base, args.store, precision)
-        store = run_store(spec.store, precision)
-        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
-        prepare_dataset(spec, store)
+        prepare_dataset(spec, start_run(spec, precision))
         print(f"prepared run {precision} in {args.store}", flush=True)
 
 

@@ -26,11 +26,10 @@ import torch
 
 from bench.harness import cpu_lock
 from bench.results_page import provenance, write_results_page
-from infra import layout
 from infra.spec import RunSpec, load_spec
-from infra.store import run_store
 from training.baseline import train_baseline
 from training.data.shards import prepare_dataset
+from training.stages import start_run
 from training.planning.profile import profile_run
 
 CONFIGS = ("configs/demo.yaml", "configs/brief.yaml")
@@ -47,8 +46,8 @@ def standard_tokens_per_s(spec: RunSpec) -> float:
     """Standard training of the spec's model on its shards and tokens, in this process, every core busy."""
     torch.set_num_threads(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="archipelago-throughput-") as folder:
-        store = run_store(spec.store.model_copy(update={"url": folder}), "standard")
-        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+        spec = spec.model_copy(update={"store": spec.store.model_copy(update={"url": folder})})
+        store = start_run(spec, "standard")
         prepare_dataset(spec, store)
         last: dict = {}
         train_baseline(spec, store, last.update)

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from eval.bpb import bits_per_byte
 from infra import layout
-from infra.derived import read_derived
 from infra.spec import RunSpec
 from infra.store import IntegrityError
 from infra.stores import RunStores
 from training.data.streams import read_stream
 from training.exchange.mixing import weighted_mean
-from training.model.registry import build_model
+from training.model.registry import build_model, load_model
 from training.model.params import load_flat_parameters
 from training.model.schedule import curve_rounds
 
@@ -67,9 +66,7 @@ def evaluate_curve(spec: RunSpec, store) -> list[dict]:
             models.append(("islands", tokens, model))
     snapshots = [key.removesuffix(".json") for key in store.list(layout.BASELINE_SNAPSHOTS) if key.endswith(".json")]
     for key in snapshots + ([layout.BASELINE] if spec.evaluation.baseline == "standard" else []):
-        tensors, meta, _ = read_derived(store, key)
-        model = build_model(spec)
-        load_flat_parameters(model, tensors["weights"])
+        model, meta = load_model(spec, store, key)
         models.append(("standard", meta["tokens"], model))
     return [{"arm": arm, "tokens": tokens, "eval": name,
              "bpb": bits_per_byte(model, stream, spec.max_seq_len, spec.evaluation.batch_size, spec.separator,

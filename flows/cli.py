@@ -143,12 +143,11 @@ def prepare(args: argparse.Namespace) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from training.data.shards import prepare_dataset
+    from training.stages import start_run
 
     run_id = f"prepare-{spec.name}-{secrets.token_hex(8)}"
     try:
-        store = open_run(spec, run_id)
-        store.check_reachable()
-        store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+        store = start_run(spec, run_id)
         manifest = prepare_dataset(spec, store)
     except (StoreError, ValueError, OSError, RuntimeError) as err:
         print(f"error: data preparation failed: {type(err).__name__}: {err}", file=sys.stderr)
@@ -258,7 +257,6 @@ def export(args: argparse.Namespace) -> int:
     spec = load_spec_or_say_why(args.config)
     if spec is None:
         return 2
-    from infra.stores import open_run
     from training.model.export import NotExportable, export_model
     from training.model.registry import load_model
 

@@ -67,6 +67,10 @@ class TransformersModelSpec(SpecModel):
             raise ValueError(f"{', '.join(taken)}: set by the run, not by the spec")
         return config
 
+    def shape_config(self):
+        """The config for what depends on neither the vocabulary nor the lengths (layers, widths)."""
+        return self.library_config(BYTE_VOCAB, 2048)
+
     def library_config(self, vocab_size: int, max_positions: int):
         """The transformers config object; raises ValueError naming a field the library does not know or
         a value it refuses."""
@@ -119,7 +123,7 @@ class ModelSpec(SpecModel):
         if self.kind == "transformers":
             if self.transformers is None:
                 raise ValueError("kind transformers needs the transformers section (architecture, config)")
-            self.transformers.library_config(BYTE_VOCAB, 2048)
+            self.transformers.shape_config()
         elif self.transformers is not None or self.init_from is not None:
             raise ValueError(f"the transformers section and init_from are for kind transformers, not {self.kind}")
         if self.width % self.heads:
@@ -142,7 +146,7 @@ class ModelSpec(SpecModel):
         if self.kind not in BUILT_IN:
             return f"{self.kind} (registered by {registered_models()[self.kind].value})"
         if self.kind == "transformers":
-            config = self.transformers.library_config(BYTE_VOCAB, 2048)
+            config = self.transformers.shape_config()
             return (f"{self.transformers.architecture}, {config.num_hidden_layers} layers x "
                     f"{config.hidden_size} wide")
         return f"byte GPT, {self.layers} layers x {self.width} wide" + (
@@ -152,7 +156,7 @@ class ModelSpec(SpecModel):
     def blocks(self) -> int:
         """Transformer blocks: what fragments are dealt from."""
         if self.kind == "transformers":
-            return int(self.transformers.library_config(BYTE_VOCAB, 2048).num_hidden_layers)
+            return int(self.transformers.shape_config().num_hidden_layers)
         if self.kind not in BUILT_IN:
             model = self.build_registered(BYTE_VOCAB, 16, meta=True)
             return len({model.block_of(name) for name, _ in model.named_parameters()} - {None})

@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 
-
 class NotExportable(ValueError):
     """The model has no transformers counterpart."""
 

@@ -9,13 +9,14 @@ import torch
 
 from infra import layout
 from infra.derived import commit_derived, read_derived
+from infra.model_spec import BUILT_IN
 from training.model.params import flat_parameters, load_flat_parameters
 
 
 def build_model(spec) -> torch.nn.Module:
     """A run spec's initial model: every learner and the baseline start from these same weights."""
     torch.manual_seed(spec.seed)
-    if spec.model.kind not in ("byte_gpt", "transformers"):
+    if spec.model.kind not in BUILT_IN:
         return spec.model.build_registered(spec.vocab_size, spec.max_seq_len)
     if spec.model.kind == "transformers":
         from training.model.transformers_lm import TransformersLM

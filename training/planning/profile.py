@@ -19,10 +19,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from infra import layout
 from infra.launch import LearnerProcess, run_learner, threads_per_process
 from infra.spec import RunSpec, parse_spec, spec_sha256
-from infra.store import run_store
 from training.learner.ledger import read_summaries
 
 PROFILE_ROUNDS = 5  # the first round's end starts the clock; four more give each learner four round lengths
@@ -57,6 +55,7 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_
     default a fresh local folder) and time them. Capacity windows and bandwidth limits are dropped:
     the profile is of the islands, not of their reservations or their link."""
     from training.data.shards import prepare_dataset
+    from training.stages import start_run
 
     with tempfile.TemporaryDirectory(prefix="archipelago-profile-") as folder:
         raw = spec.model_dump(mode="json")
@@ -71,8 +70,7 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_
             island.pop("signing", None)
         profiled = parse_spec(raw)
         run_id = f"profile-{time.strftime('%Y%m%d-%H%M%S')}"
-        run = run_store(profiled.store, run_id)
-        run.put_json(layout.SPEC, profiled.model_dump(mode="json"))
+        run = start_run(profiled, run_id)
         prepare_dataset(profiled, run)
         round_times: dict[int, list[float]] = {slot.index: [] for slot in profiled.learners}
         exits: dict[int, float] = {}
