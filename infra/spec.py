@@ -60,8 +60,25 @@ class IslandSpec(SpecModel):
     seq_len: int = Field(ge=8, le=4096, description="Bytes per training sequence.")
     inner_steps: int = Field(ge=1, le=MAX_STEPS, description="Inner AdamW steps per round (H).")
     processes_per_learner: int = Field(
-        1, ge=1, le=16,
-        description="Data-parallel processes per learner; more than one runs the learner under torchrun.")
+        1, ge=1, le=MAX_LEARNER_PROCESSES,
+        description="Processes (one per accelerator) per learner, over all its nodes; more than one runs the "
+                    "learner under torchrun.")
+    parallelism: Literal["data_parallel", "fsdp"] = Field(
+        "data_parallel",
+        description="How a learner's processes share its model: data_parallel (every process a full replica, "
+                    "gradients averaged) or fsdp (weights, gradients and optimizer state sharded over the "
+                    "processes with FSDP2). Exchanges and checkpoints keep one canonical flat layout either way, "
+                    "so islands of different parallelism train together and resume each other's checkpoints.")
+    nodes_per_learner: int = Field(
+        1, ge=1, le=MAX_LEARNER_PROCESSES,
+        description="Hosts one learner spans; its processes are split evenly over them.")
+    network_interface: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,14}$",
+        description="Network interface the learner's processes rendezvous and communicate on (e.g. the "
+                    "island's fabric); empty: loopback, which allows one node per learner only.")
+    device_memory_gb: float | None = Field(
+        None, gt=0, description="Memory of one accelerator, GB: `archipelago plan` refuses a run whose ranks "
+                                "would not fit. Empty: not checked.")
     store: StoreSpec | None = Field(
         None, description="The island's own object store (a bucket near its accelerators): its learners' shards, "
                           "checkpoints and messages live there, and only the messages partners on other islands "
@@ -80,6 +97,20 @@ class IslandSpec(SpecModel):
             raise ValueError(f"batch_size {self.batch_size} must be divisible by "
                              f"processes_per_learner {self.processes_per_learner}")
         return self
+
+    @model_validator(mode="after")
+    def _processes_split_over_nodes(self) -> "IslandSpec":
+        if self.processes_per_learner % self.nodes_per_learner:
+            raise ValueError(f"island {self.name}: processes_per_learner {self.processes_per_learner} must be "
+                             f"divisible by nodes_per_learner {self.nodes_per_learner}")
+        if self.nodes_per_learner > 1 and self.network_interface is None:
+            raise ValueError(f"island {self.name}: a learner on {self.nodes_per_learner} nodes needs the "
+                             f"network_interface its nodes reach each other on")
+        return self
+
+    @property
+    def processes_per_node(self) -> int:
+        return self.processes_per_learner // self.nodes_per_learner
 
     @model_validator(mode="after")
     def _windows_do_not_overlap(self) -> "IslandSpec":
