@@ -98,6 +98,12 @@ class ModelSpec(SpecModel):
     width: int = Field(128, ge=8, le=MAX_WIDTH, description="byte_gpt: residual stream width (d_model).")
     heads: int = Field(4, ge=1, le=256, description="byte_gpt: attention heads; must divide width.")
     moe: MoESpec | None = Field(None, description="byte_gpt: sparse mixture-of-experts feed-forward; dense when absent.")
+    qk_norm: bool = Field(
+        False, description="byte_gpt: layer-normalise each head's queries and keys before attention (QK-LayerNorm), "
+                           "which keeps attention logits bounded and training less sensitive to the learning rate.")
+    z_loss_weight: float = Field(
+        0.0, ge=0, le=1, description="byte_gpt: weight of the z-loss, the mean squared log-partition of the output "
+                                     "logits (PaLM uses 1e-4): it keeps the softmax normaliser near 1.")
     transformers: TransformersModelSpec | None = Field(None, description="kind transformers: the architecture and config.")
     options: dict[str, ConfigValue] = Field(
         default_factory=dict, max_length=64,
@@ -126,6 +132,8 @@ class ModelSpec(SpecModel):
             self.transformers.shape_config()
         elif self.transformers is not None or self.init_from is not None:
             raise ValueError(f"the transformers section and init_from are for kind transformers, not {self.kind}")
+        if self.kind != "byte_gpt" and (self.qk_norm or self.z_loss_weight):
+            raise ValueError(f"qk_norm and z_loss_weight are settings of byte_gpt, not of kind {self.kind}")
         if self.width % self.heads:
             raise ValueError(f"heads {self.heads} must divide width {self.width}")
         return self
@@ -176,4 +184,6 @@ class ModelSpec(SpecModel):
         width = self.width
         ffn = 8 * width * width if self.moe is None else self.moe.experts * (8 * width * width + width)
         block = 4 * width * width + 4 * width + ffn  # attention, two layer norms, feed-forward
+        if self.qk_norm:
+            block += 4 * (width // self.heads)  # a layer norm (weight and bias) over a head's queries, one over its keys
         return vocab_size * width + max_seq_len * width + self.layers * block + 2 * width

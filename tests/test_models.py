@@ -147,3 +147,47 @@ def test_a_model_kind_nothing_registers_or_without_the_interface_is_named(instal
         spec_with({"kind": "broken"})
     with pytest.raises(SpecError, match="options are for a registered model"):
         spec_with({"options": {"layers": 2}})
+
+
+BYTE_GPT = {"layers": 2, "width": 32, "heads": 4}
+
+
+def test_qk_layernorm_makes_attention_blind_to_the_scale_of_queries_and_keys():
+    spec = spec_with({**BYTE_GPT, "qk_norm": True})
+    model = build_model(spec)
+    assert model.parameter_counts()["total"] == spec.model.parameter_count(spec.max_seq_len, spec.vocab_size)
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    before = model(idx)
+    width = BYTE_GPT["width"]
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight[:2 * width] *= 30.0  # the query and key projections
+    assert torch.allclose(model(idx), before, atol=1e-4)
+    plain = build_model(spec_with(BYTE_GPT))
+    plain.load_state_dict({k: v for k, v in model.state_dict().items() if "_norm" not in k})
+    assert not torch.allclose(plain(idx), before, atol=1e-2)  # without the norms the scale matters
+
+
+def test_the_z_loss_adds_the_mean_squared_log_partition_and_pulls_it_towards_zero():
+    idx = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs, targets = idx[:, :-1], idx[:, 1:]
+    model = build_model(spec_with({**BYTE_GPT, "z_loss_weight": 0.5}))
+    plain = build_model(spec_with(BYTE_GPT))
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        model.head.weight.add_(0.5)  # tied to the embedding: shifts every logit, so log Z is far from 0
+        plain.head.weight.add_(0.5)
+        log_z = model(inputs).logsumexp(dim=-1)
+    assert torch.allclose(model.loss(inputs, targets), plain.loss(inputs, targets) + 0.5 * log_z.square().mean())
+    model.loss(inputs, targets).backward()
+    plain.loss(inputs, targets).backward()
+    step = 1e-3
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), plain.parameters()):
+            p.sub_(step * p.grad), q.sub_(step * q.grad)
+        assert model(inputs).logsumexp(dim=-1).square().mean() < plain(inputs).logsumexp(dim=-1).square().mean()
+
+
+def test_qk_norm_and_z_loss_belong_to_the_byte_gpt():
+    with pytest.raises(SpecError, match="qk_norm and z_loss_weight are settings of byte_gpt"):
+        spec_with({**MODELS["llama"], "qk_norm": True})

@@ -31,13 +31,16 @@ class GPTConfig:
     experts: int = 0
     top_k: int = 1
     balance_loss_weight: float = 0.0
+    qk_norm: bool = False
+    z_loss_weight: float = 0.0
 
     @classmethod
     def from_spec(cls, model_spec, max_seq_len: int, vocab: int = BYTE_VOCAB) -> "GPTConfig":
         moe = model_spec.moe
         return cls(layers=model_spec.layers, width=model_spec.width, heads=model_spec.heads,
                    max_seq_len=max_seq_len, vocab=vocab, experts=moe.experts if moe else 0,
-                   top_k=moe.top_k if moe else 1, balance_loss_weight=moe.balance_loss_weight if moe else 0.0)
+                   top_k=moe.top_k if moe else 1, balance_loss_weight=moe.balance_loss_weight if moe else 0.0,
+                   qk_norm=model_spec.qk_norm, z_loss_weight=model_spec.z_loss_weight)
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,11 +49,15 @@ class CausalSelfAttention(nn.Module):
         self.heads = cfg.heads
         self.qkv = nn.Linear(cfg.width, 3 * cfg.width, bias=False)
         self.proj = nn.Linear(cfg.width, cfg.width, bias=False)
+        head_width = cfg.width // cfg.heads
+        self.q_norm = nn.LayerNorm(head_width) if cfg.qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(head_width) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        q, k = self.q_norm(q), self.k_norm(k)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
@@ -140,9 +147,11 @@ class ByteGPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Training loss: next-byte cross-entropy plus the experts' balance term."""
-        logits = self(idx)
-        loss = F.cross_entropy(logits.reshape(-1, self.cfg.vocab), targets.reshape(-1))
+        """Training loss: next-byte cross-entropy, plus the experts' balance term and the z-loss when set."""
+        logits = self(idx).reshape(-1, self.cfg.vocab)
+        loss = F.cross_entropy(logits, targets.reshape(-1))
+        if self.cfg.z_loss_weight:
+            loss = loss + self.cfg.z_loss_weight * logits.logsumexp(dim=-1).square().mean()
         if self.cfg.experts:
             aux = sum(b.ffn.aux_loss for b in self.blocks) / self.cfg.layers
             loss = loss + self.cfg.balance_loss_weight * aux
