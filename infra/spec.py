@@ -22,6 +22,7 @@ from infra.spec_model import (MAX_BATCH, MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX
                               MAX_WAIT_S, SEED_LIMIT, SpecModel)
 from infra.store import canonical_json, sha256
 from infra.store_spec import StoreSpec
+from infra.tracking_spec import TrackingSpec
 from infra.windows import CapacityWindow
 
 
@@ -336,6 +337,8 @@ class RunSpec(SpecModel):
     baseline: BaselineSpec = Field(default_factory=BaselineSpec, description="Standard training it is measured against.")
     store: StoreSpec = Field(default_factory=StoreSpec, description="Where learners exchange state.")
     evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec, description="Evaluation settings.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec,
+                                   description="Experiment tracker (TensorBoard, MLflow, W&B) the run is logged to.")
     faults: list[Fault] = Field(default_factory=list, max_length=MAX_LIST,
                                 description="Faults to inject, for tests and drills.")
     signing: SigningSpec | None = Field(
