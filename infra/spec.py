@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from infra.authority import public_key_of
 from infra.fault_spec import Fault
 from infra.model_spec import BOS, BYTE_VOCAB, ModelSpec
+from infra.pool_spec import PoolSpec
 from infra.spec_model import (MAX_BATCH, MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_PARAMETERS, MAX_STEPS,
                               MAX_WAIT_S, SEED_LIMIT, SpecModel)
 from infra.store import canonical_json, sha256
@@ -91,6 +92,20 @@ class IslandSpec(SpecModel):
     signing: SigningSpec | None = Field(
         None, description="The island's signing keys: its learners sign every record they write with them, and "
                           "readers refuse what they did not sign. Needs the run's `signing` too.")
+    pool: PoolSpec = Field(
+        default_factory=PoolSpec,
+        description="The island's work pool (`island-<name>`), which `archipelago deploy` creates: a process pool "
+                    "(learners on the worker's host, or through srun) or a kubernetes pool (a Job per segment).")
+
+    @model_validator(mode="after")
+    def _fits_its_pool(self) -> "IslandSpec":
+        if self.pool.type == "kubernetes" and self.nodes_per_learner > 1:
+            raise ValueError(f"island {self.name}: a kubernetes pool runs a segment in one pod, on one node: "
+                             f"nodes_per_learner must be 1, not {self.nodes_per_learner}")
+        if self.pool.launcher == "srun" and self.nodes_per_learner > 1:
+            raise ValueError(f"island {self.name}: pool.launcher srun starts each learner as a job step on one "
+                             f"node: nodes_per_learner must be 1, not {self.nodes_per_learner}")
+        return self
 
     @model_validator(mode="after")
     def _batch_splits_over_processes(self) -> "IslandSpec":
@@ -361,6 +376,17 @@ class RunSpec(SpecModel):
         if self.store.credentials_block:
             raise ValueError("store.credentials_block: the run's store is the control plane's; give its credentials "
                              "in the control plane's environment (credentials_env); blocks are for islands[].store")
+        return self
+
+    @model_validator(mode="after")
+    def _pods_reach_every_store(self) -> "RunSpec":
+        in_pods = [i.name for i in self.islands if i.pool.type == "kubernetes"]
+        folders = [where for where, store in [("store.url", self.store)] + [
+            (f"islands.{n}.store.url", i.store) for n, i in enumerate(self.islands) if i.store is not None]
+            if not store.url.startswith("s3://")]
+        if in_pods and folders:
+            raise ValueError(f"{', '.join(folders)}: islands {in_pods} run in Kubernetes pods, which reach no "
+                             f"local folder of another host; their stores must be s3://")
         return self
 
     @model_validator(mode="after")

@@ -51,14 +51,21 @@ def open_run(spec: RunSpec, run_id: str, writer: str | None = CONTROL) -> Object
     return run_store(spec.store, run_id, Authority.of(spec, writer))
 
 
+def island_credential_prefixes(spec: RunSpec, island: str) -> set[str | None]:
+    """The credentials_env prefixes a learner of `island` opens stores with (None: the standard AWS variables):
+    the run's store's, its own island's store's, and the read-only key (else the writer's) of every other
+    island's store."""
+    mine = next(i for i in spec.islands if i.name == island)
+    return {spec.store.credentials_env, mine.store.credentials_env if mine.store else None,
+            *(i.store.read_credentials_env or i.store.credentials_env
+              for i in spec.islands if i.store and i.name != island)}
+
+
 def foreign_writer_credentials(spec: RunSpec, island: str) -> list[str]:
     """The environment variables of other islands' writer keys, which a learner of `island` must not inherit
     where one environment holds several (a single-host run): it reads those stores with their read-only keys
     (with the writer's, of an island that has none)."""
-    mine = next(i for i in spec.islands if i.name == island)
-    needed = {spec.store.credentials_env, mine.store.credentials_env if mine.store else None,
-              *(i.store.read_credentials_env or i.store.credentials_env
-                for i in spec.islands if i.store and i.name != island)}
+    needed = island_credential_prefixes(spec, island)
     foreign = {i.store.credentials_env for i in spec.islands if i.store and i.name != island} - needed - {None}
     return sorted(f"{prefix}_{variable}" for prefix in foreign for variable in CREDENTIAL_VARIABLES)
 
