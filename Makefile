@@ -10,7 +10,7 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test,kubernetes]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test,kubernetes,tensorboard,mlflow,wandb]"
 	touch $@
 
 demo: setup
