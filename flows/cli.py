@@ -242,12 +242,23 @@ def deploy(args: argparse.Namespace) -> int:
     spec = load_spec_or_say_why(args.config)
     if spec is None:
         return 2
-    from flows.serve import pools_of, register
+    from flows.cluster_pools import store_key_variables, store_secret
+    from flows.serve import PoolTypeConflict, pools_of, register
 
-    for name, deployment_id in register(spec).items():
+    try:
+        deployments = register(spec)
+    except PoolTypeConflict as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    for name, deployment_id in deployments.items():
         print(f"deployment {name}: {deployment_id}")
     print("start a worker per pool, where the project is installed: "
-          + "; ".join(f"prefect worker start --pool {pool}" for pool in pools_of(spec)))
+          + "; ".join(f"prefect worker start --pool {pool} --type {kind}" for pool, kind in pools_of(spec).items()))
+    for island in spec.islands:
+        if island.pool.type == "kubernetes":
+            keys = " ".join(f"--from-literal={name}=..." for name in store_key_variables(spec, island.name))
+            print(f"island {island.name}'s pods read their store keys from Secret {store_secret(spec, island.name)}: "
+                  f"kubectl -n {island.pool.namespace} create secret generic {store_secret(spec, island.name)} {keys}")
     return 0
 
 
@@ -269,6 +280,41 @@ def export(args: argparse.Namespace) -> int:
     ids = "byte values" if spec.data.tokenizer is None else f"the ids of tokenizer {spec.data.tokenizer.path}"
     print(f"{out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}); token ids are "
           f"{ids}, and {spec.separator} the document separator")
+    return 0
+
+
+def export_metrics(args: argparse.Namespace) -> int:
+    """A run's ledgers and report from its store into an experiment tracker (eval/tracking.py): the same
+    series its islands' relays and its report stage log while it runs."""
+    spec = load_spec_or_say_why(args.config)
+    if spec is None:
+        return 2
+    from eval.tracking import BACKENDS, TrackingUnavailable, open_sink, replay_run
+    from infra.tracking_spec import TrackingSpec
+
+    backend, target = args.to
+    if backend not in BACKENDS:
+        print(f"error: --to {backend}: expected one of {', '.join(BACKENDS)}", file=sys.stderr)
+        return 2
+    try:
+        settings = TrackingSpec(backend=backend, uri=target, project=args.project or spec.tracking.project)
+    except ValueError as err:
+        print(f"error: --to {backend} TARGET: {err.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    try:
+        store = open_run(spec, args.run_id, writer=None)
+        sink = open_sink(settings, spec.name, args.run_id, "export", primary=True)
+        try:
+            logged = replay_run(spec, store, sink)
+            link = sink.link()
+        finally:
+            sink.close(finished=True)
+    except (StoreError, TrackingUnavailable) as err:
+        print(f"error: cannot export the metrics of {args.run_id}: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.run_id}: {logged['points']} values of {logged['learners']} learners"
+          + (" and the report" if logged["report"] else " (no report yet)") + f" in {backend}: {link.url}")
+    print(link.description)
     return 0
 
 
@@ -381,6 +427,15 @@ def main(argv: list[str] | None = None) -> int:
     export_parser.add_argument("--out", required=True, help="folder to write")
     export_parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     export_parser.set_defaults(handler=export)
+    metrics_parser = commands.add_parser(
+        "export-metrics", help="replay a run's ledgers and report from its store into TensorBoard, MLflow or W&B")
+    metrics_parser.add_argument("run_id")
+    metrics_parser.add_argument("--config", required=True, help="the run's spec YAML")
+    metrics_parser.add_argument("--to", nargs=2, required=True, metavar=("BACKEND", "TARGET"),
+                                help="tensorboard DIR, mlflow TRACKING_URI, or wandb DIR|URL")
+    metrics_parser.add_argument("--project", default=None,
+                                help="MLflow experiment or W&B project (default: the spec's tracking.project, or name)")
+    metrics_parser.set_defaults(handler=export_metrics)
     tokenizer_parser = commands.add_parser("tokenizer", help="make a tokenizers vocabulary for a run")
     tokenizer_commands = tokenizer_parser.add_subparsers(dest="tokenizer_command", required=True)
     train_parser = tokenizer_commands.add_parser(

@@ -2,7 +2,9 @@
 
 Work pools: `archipelago` runs the lifecycle (`archipelago/lifecycle`); `island-<name>` runs that
 island's segments (`segment/island-<name>`). Locally each pool is a process pool with one worker;
-on real infrastructure each island's worker runs at the island.
+on real infrastructure each island's worker runs at the island, and an island whose spec says
+`pool.type: kubernetes` gets a Kubernetes pool (flows/cluster_pools.py) served by a Kubernetes
+worker in its cluster.
 
 The API asks every client for an auth string (Prefect's basic auth), and the pools' job template
 offers no variable that picks what a worker executes (`locked_job_template`): whoever can reach the
@@ -80,8 +82,13 @@ def locked_job_template() -> dict:
     return template
 
 
-def pools_of(spec: RunSpec) -> list[str]:
-    return [CONTROL_POOL] + [island_pool(island.name) for island in spec.islands]
+def pools_of(spec: RunSpec) -> dict[str, str]:
+    """Each work pool of the spec and its type (`archipelago` is a process pool)."""
+    return {CONTROL_POOL: "process", **{island_pool(island.name): island.pool.type for island in spec.islands}}
+
+
+def process_pools(spec: RunSpec) -> list[str]:
+    return [pool for pool, kind in pools_of(spec).items() if kind == "process"]
 
 
 def wait_healthy(api_url: str, timeout_s: float) -> None:
@@ -158,22 +165,42 @@ def workers(pools: list[str], api_url: str, auth_string: str, log_dir: Path,
         yield
 
 
-async def _ensure_process_pools(names: list[str]) -> None:
-    """Create the pools, or lock the job template of pools made before with another one."""
+class PoolTypeConflict(RuntimeError):
+    pass
+
+
+def pool_templates(spec: RunSpec) -> dict[str, tuple[str, dict]]:
+    """Each pool's type and base job template: the locked process template, or for an island on
+    Kubernetes the one generated from its spec."""
+    from flows.cluster_pools import kubernetes_job_template
+
+    process = ("process", locked_job_template())
+    return {CONTROL_POOL: process, **{
+        island_pool(island.name): ("kubernetes", kubernetes_job_template(spec, island.name))
+        if island.pool.type == "kubernetes" else process for island in spec.islands}}
+
+
+async def _ensure_pools(spec: RunSpec) -> None:
+    """Create the spec's pools, or give pools made before the template the spec asks for; a pool of
+    another type is refused (Prefect cannot change a pool's type)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import ObjectNotFound
 
-    template = locked_job_template()
     async with get_client() as client:
-        for name in names:
+        for name, (kind, template) in pool_templates(spec).items():
             try:
-                if (await client.read_work_pool(name)).base_job_template != template:
-                    await client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
+                existing = await client.read_work_pool(name)
             except ObjectNotFound:
                 await client.create_work_pool(WorkPoolCreate(
-                    name=name, type="process", base_job_template=template,
+                    name=name, type=kind, base_job_template=template,
                     description="Archipelago control plane" if name == CONTROL_POOL else f"Island {name[7:]}"))
+                continue
+            if existing.type != kind:
+                raise PoolTypeConflict(f"work pool {name} exists as a {existing.type} pool and the spec asks for "
+                                 f"{kind}: delete it (prefect work-pool delete {name}) and deploy again")
+            if existing.base_job_template != template:
+                await client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
 
 
 def _first_window(spec: RunSpec, now: datetime) -> tuple[str, int, CapacityWindow] | None:
@@ -228,7 +255,7 @@ def register(spec: RunSpec) -> dict[str, str]:
     machine that registered it, so a remote site needs only `pip install` of the same commit."""
     from flows.deployments import archipelago, baseline, plan, segment
 
-    asyncio.run(_ensure_process_pools(pools_of(spec)))
+    asyncio.run(_ensure_pools(spec))
     now = datetime.now(timezone.utc)
 
     def deploy(flow, name: str, pool: str, **options) -> str:
@@ -264,7 +291,7 @@ def served(spec: RunSpec, port: int, home: Path, log_dir: Path):
     with prefect_server(port, home, log_dir, auth_string) as api_url, \
             temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}):
         deployments = register(spec)
-        with workers(pools_of(spec), api_url, auth_string, log_dir):
+        with workers(process_pools(spec), api_url, auth_string, log_dir):
             yield api_url, deployments
 
 
@@ -278,7 +305,9 @@ def serve(spec: RunSpec, port: int, home: Path, log_dir: Path) -> None:
               f"user:password); clients and workers read it from ${AUTH_STRING_ENV}", flush=True)
         for name, deployment_id in deployments.items():
             print(f"  deployment {name}: {ui}/deployments/deployment/{deployment_id}", flush=True)
-        print(f"  work pools: {', '.join(pools_of(spec))} (one worker each); logs in {log_dir}", flush=True)
+        print(f"  work pools: {', '.join(process_pools(spec))} (one worker each); logs in {log_dir}", flush=True)
+        if cluster := [pool for pool in pools_of(spec) if pool not in process_pools(spec)]:
+            print(f"  kubernetes pools: {', '.join(cluster)} (their workers run in the clusters)", flush=True)
         print("Ctrl-C stops the server and the workers.", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
         try:

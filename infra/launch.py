@@ -20,6 +20,7 @@ import contextlib
 import ctypes
 import os
 import runpy
+import shutil
 import signal
 import socket
 import subprocess
@@ -36,7 +37,7 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from infra.spec import RunSpec
+from infra.spec import IslandSpec, RunSpec
 
 # Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
 WINDOW_CLOSED = 75
@@ -52,6 +53,10 @@ LOOPBACK_ONLY = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 # How long a learner's group gets to exit on SIGTERM (torchrun stops its workers) before SIGKILL.
 TERMINATE_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
+SRUN = "srun"
+# The parent a learner that srun started finds on its node: the step's Slurm daemon, which ends the
+# step's processes with the step. srun hands its tasks this name as PARENT_PID.
+SLURM_STEP_DAEMON = "slurmstepd"
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,17 @@ class LearnerProcess:
         if self.lease_term is not None:
             args += ["--lease-term", str(self.lease_term)]
         return [*self.wrapper, *launcher, *args]
+
+
+def srun_wrapper(island: IslandSpec) -> tuple[str, ...]:
+    """The `wrapper` that starts a learner of `island` as a Slurm job of its own, one node and one task
+    holding its GPUs (`pool.launcher: srun`, from a worker on the login node). srun runs in a guarded
+    process, so it dies with the segment; the environment, store keys included, reaches the node through
+    Slurm, never the command line. Partition, account and time limit come from the worker's SLURM_*
+    variables, as srun reads them."""
+    gpus = [f"--gpus-per-node={island.processes_per_learner}"] if island.device == "cuda" else []
+    return (*GUARDED, SRUN, "--nodes=1", "--ntasks=1", *gpus, f"--job-name=archipelago-{island.name}",
+            "--kill-on-bad-exit=1", f"--export=ALL,{PARENT_PID}={SLURM_STEP_DAEMON}")
 
 
 def threads_per_process(spec: RunSpec) -> int:
@@ -236,11 +252,22 @@ def die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    expected = int(os.environ[PARENT_PID])
-    if os.getppid() != expected:
-        sys.exit(f"learner process {os.getpid()}: its parent is {os.getppid()}, not the launcher {expected} "
+    expected, parent = os.environ[PARENT_PID], os.getppid()
+    if expected == SLURM_STEP_DAEMON:  # started by srun on a Slurm node
+        if _command_name(parent) != SLURM_STEP_DAEMON:
+            sys.exit(f"learner process {os.getpid()}: told srun started it, but its parent {parent} is not "
+                     f"{SLURM_STEP_DAEMON}; not starting")
+    elif parent != int(expected):
+        sys.exit(f"learner process {os.getpid()}: its parent is {parent}, not the launcher {expected} "
                  "(the launcher died, or a wrapper forked instead of exec'ing); not starting")
     os.environ[PARENT_PID] = str(os.getpid())
+
+
+def _command_name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 class LoopbackRendezvous(StaticTCPRendezvous):
@@ -270,6 +297,11 @@ def main(argv: list[str]) -> None:
     dies with its parent; torchrun (MODULE torch.distributed.run) gets the loopback rendezvous."""
     die_with_parent()
     module = argv[0]
+    if module == SRUN:  # srun replaces this guarded process, and so dies with the launcher too
+        if shutil.which(SRUN) is None:
+            sys.exit("srun is not on this host's PATH: islands[].pool.launcher srun needs a worker where Slurm's "
+                     "commands are")
+        os.execvp(SRUN, argv)
     if module == TORCHRUN:
         rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, loopback_rendezvous)
     sys.argv = argv  # run_module replaces argv[0] with the module's path, as `python -m` does

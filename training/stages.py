@@ -2,27 +2,33 @@
 them and add logging, progress artifacts, retries and caching; the benchmarks call them directly.
 
 start (`new_run_id`, `start_run`) -> data (`training.data.shards.prepare_dataset`) -> learners
-(`train_learner`, or `train_learners` for all of them at once) -> consolidation
+(`train_learner`, or `train_learners` for all of them at once; `train_learner_node` for one node of
+a learner that spans several) -> consolidation
 (`training.consolidate.consolidate`) -> standard training (`training.baseline.train_baseline`) ->
 evaluation (`eval.evaluate`) -> report (`eval.report`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
 from infra import layout
 from infra.authority import foreign_signing_keys
-from infra.launch import LearnerFailed, LearnerProcess, run_learner, threads_per_process
+from infra.launch import (LearnerFailed, LearnerProcess, LearnersStopped, run_learner, srun_wrapper,
+                          threads_per_process)
+from infra.rendezvous import RendezvousTimeout, announced, await_endpoint, publish
 from infra.spec import RunSpec, spec_sha256
 from infra.store import ObjectStore
 from infra.stores import RunStores, check_stores_reachable, foreign_writer_credentials, open_run
 from training.data.corpora import data_root
 from training.learner.ledger import finished
+from training.learner.state import Lives
 from training.model.registry import commit_initial_weights
 
 
@@ -44,32 +50,102 @@ def start_run(spec: RunSpec, run_id: str) -> ObjectStore:
 
 
 def train_learner(spec: RunSpec, run_id: str, learner: int, relay: Callable[[str], None],
-                  until: datetime | None = None, lease_term: int | None = None) -> dict:
+                  until: datetime | None = None, lease_term: int | None = None,
+                  node_wrappers: Sequence[tuple[str, ...]] = ()) -> dict:
     """One learner as its own OS process (a torchrun group if it has several), its output lines handed
     to `relay`. It resumes from the newest checkpoint it can trust; with `until` (the end of its
     island's capacity window) it stops cleanly before a round that would not finish in time.
-    Raises `LearnerFailed` if it dies; `finished` says whether it trained every round."""
+    Raises `LearnerFailed` if it dies; `finished` says whether it trained every round.
+
+    A learner on several nodes runs every node from this process, node k under `node_wrappers[k]` (a
+    command prefix that execs it on that node's host or network namespace, e.g. `ip netns exec NS`;
+    none: all on this host), and fails once every node has ended if any failed: a node whose
+    partners died ends by itself (see infra/launch.py), so the learner restarts as a whole."""
     island = spec.learners[learner].island
-    run_learner(LearnerProcess(learner, island.processes_per_learner, threads_per_process(spec), until,
-                               spec_sha256=spec_sha256(spec), lease_term=lease_term),
-                spec.store.url, spec.store.endpoint_url, run_id, relay, spec.store.credentials_env,
-                foreign_signing_keys(spec, island.name) + foreign_writer_credentials(spec, island.name))
+    nodes = island.nodes_per_learner
+    wrappers = list(node_wrappers) or [srun_wrapper(island) if island.pool.launcher == "srun" else ()] * nodes
+    if len(wrappers) != nodes:
+        raise ValueError(f"learner {learner}: {len(wrappers)} node wrappers for its {nodes} nodes")
+    if nodes == 1:
+        train_learner_node(spec, run_id, learner, 0, relay, until, lease_term, wrappers[0])
+    else:
+        node_zero_ended = threading.Event()
+
+        def node(k: int) -> None:
+            try:
+                train_learner_node(spec, run_id, learner, k, relay, until, lease_term, wrappers[k],
+                                   give_up=node_zero_ended.is_set)
+            finally:
+                if k == 0:
+                    node_zero_ended.set()
+
+        with ThreadPoolExecutor(nodes) as pool:
+            ended = [pool.submit(node, k) for k in range(nodes)]
+        errors = [(k, f.exception()) for k, f in enumerate(ended) if f.exception() is not None]
+        for _, error in errors:
+            if not isinstance(error, LearnerFailed) or isinstance(error, LearnersStopped):
+                raise error
+        if errors:
+            raise LearnerFailed(f"learner {learner}: node{'s' if len(errors) > 1 else ''} "
+                                f"{', '.join(str(k) for k, _ in errors)} of {nodes} failed: "
+                                + "; ".join(f"node {k}: {str(e).splitlines()[0]}" for k, e in errors))
     return {"learner": learner, "island": island.name,
             "finished": finished(RunStores(spec, open_run(spec, run_id, writer=None)), spec, learner)}
 
 
+def train_learner_node(spec: RunSpec, run_id: str, learner: int, node: int, relay: Callable[[str], None],
+                       until: datetime | None = None, lease_term: int | None = None, wrapper: tuple[str, ...] = (),
+                       give_up: Callable[[], bool] = lambda: False) -> None:
+    """Node `node` of a learner, on the host (or under the `wrapper`) this is called for; node 0 of a
+    learner on one node is the whole learner. Where an island's learners span hosts, each host's
+    segment starts its own node with this. Node 0 publishes its rendezvous address for the life it
+    starts in the island's store; every other node waits for it (`infra.rendezvous`; `give_up()`
+    ends the wait early, once node 0 is known to have ended) and joins it."""
+    island = spec.learners[learner].island
+    process = LearnerProcess(
+        learner, island.processes_per_node, threads_per_process(spec), until, wrapper,
+        spec_sha256=spec_sha256(spec), lease_term=lease_term, nodes=island.nodes_per_learner, node=node,
+        interface=island.network_interface if island.nodes_per_learner > 1 else None)
+    launch = dict(store_url=spec.store.url, endpoint_url=spec.store.endpoint_url, run_id=run_id, on_line=relay,
+                  credentials_env=spec.store.credentials_env,
+                  withheld_env=foreign_signing_keys(spec, island.name) + foreign_writer_credentials(spec, island.name))
+    if island.nodes_per_learner == 1:
+        run_learner(process, **launch)
+        return
+    # Node 0 signs its rendezvous records as its island, like its learner's lives; the others only read.
+    stores = RunStores(spec, open_run(spec, run_id, writer=island.name if node == 0 else None), reader=island.name)
+    life = len(Lives(stores.learner, spec.sync.rounds).of(learner))
+    if node == 0:
+        def publish_rendezvous(line: str) -> None:
+            endpoint = announced(line)
+            number = publish(stores.learner(learner), learner, life, endpoint)
+            relay(f"learner {learner}: node 0 published its rendezvous of life {number} at {endpoint}")
+
+        run_learner(process, **launch, on_rendezvous=publish_rendezvous)
+        return
+    try:
+        number, endpoint = await_endpoint(stores.learner(learner), learner, life, give_up=give_up)
+    except RendezvousTimeout as err:
+        raise LearnerFailed(f"learner {learner} node {node}: {err}") from None
+    relay(f"learner {learner}: node {node} joins the rendezvous of life {number} at {endpoint}")
+    run_learner(dataclasses.replace(process, rendezvous=str(endpoint)), **launch)
+
+
 def train_learners(spec: RunSpec, run_id: str, relay: Callable[[str], None], restarts: int = 0,
-                   on_restart: Callable[[int, str], None] = lambda learner, reason: None) -> list[dict]:
+                   on_restart: Callable[[int, str], None] = lambda learner, reason: None,
+                   node_wrappers: Mapping[str, Sequence[tuple[str, ...]]] = {}) -> list[dict]:
     """Every learner of the run at once, each started again up to `restarts` times after it dies (as
-    the lifecycle's task retries it); `on_restart(learner, reason)` hears of each restart."""
+    the lifecycle's task retries it); `on_restart(learner, reason)` hears of each restart.
+    `node_wrappers[island]`: where each node of that island's learners starts (see `train_learner`)."""
     def train(learner: int) -> dict:
+        wrappers = node_wrappers.get(spec.learners[learner].island.name, ())
         for _ in range(restarts):
             try:
-                return train_learner(spec, run_id, learner, relay)
+                return train_learner(spec, run_id, learner, relay, node_wrappers=wrappers)
             except LearnerFailed as err:
                 on_restart(learner, str(err).splitlines()[0])
                 time.sleep(1)
-        return train_learner(spec, run_id, learner, relay)
+        return train_learner(spec, run_id, learner, relay, node_wrappers=wrappers)
 
     with ThreadPoolExecutor(len(spec.learners)) as pool:
         return list(pool.map(train, [slot.index for slot in spec.learners]))
