@@ -31,6 +31,7 @@ from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_fig
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.segments import island_segments, stop_segments
 from tasks.setup import start_run
+from tasks.tracking import publish_tracker_link
 from tasks.training import consolidate_learners, island_baseline, train_learner, train_standard
 from training.stages import new_run_id
 
@@ -46,6 +47,7 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     with held_lease(open_run(spec, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
                     warn=get_run_logger().warning, on_lost=lambda reason: stop_run_work(run_id, reason)) as lease:
         start_run(spec, run_id)
+        publish_tracker_link(spec, run_id)
         prepare_data(spec, run_id)
         if islands_via == "deployments":
             segments = [island_segments.submit(spec, run_id, island.name, lease.term) for island in spec.islands]

@@ -17,6 +17,7 @@ from infra.stores import open_run
 from tasks.faults import fail_once_if_asked
 from tasks.planning import UNLIMITED_BPS, measured_step_seconds, publish_plan
 from tasks.stage import stage
+from tasks.tracking import log_report
 from training.learner.ledger import read_summaries
 from training.model.registry import build_model
 
@@ -43,6 +44,7 @@ def publish_report(spec: RunSpec, run_id: str, evals: dict, consensus: dict, bas
                           build_model(spec).parameter_counts(), wall_seconds, refused_in_process())
     report["faults"] = fault_report(spec, summaries, store.list("faults"))
     store.put_json(layout.REPORT, report)
+    log_report(spec, run_id, report)
     inter_bytes_per_s = spec.sync.transport.bandwidth.inter_island
     publish_plan(spec, measured_step_seconds(spec, summaries),
                  inter_bytes_per_s * 8 if inter_bytes_per_s else UNLIMITED_BPS, key="plan-vs-measured",

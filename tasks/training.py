@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from datetime import datetime
 from uuid import UUID
 
@@ -12,6 +13,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.deployments import run_deployment
 
+from eval.tracking import Sink, TrackingUnavailable, learner_points, shared_sink
 from infra import layout
 from infra.authority import CONTROL
 from infra.derived import read_derived
@@ -32,11 +34,11 @@ from training.consolidate import consolidate
 PROGRESS_EVERY_S = 10.0
 
 
-def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
+def learner_relay(logger, progress: UUID, on_round: Callable[[dict], None] = lambda event: None) -> Callable[[str], None]:
     """What becomes of each line a learner prints: its JSON events turn into log lines and progress
     (its rounds logged and its progress updated at most every `PROGRESS_EVERY_S` seconds, and at its
     last round), anything else (a library's warning, a traceback, JSON that is not an event) is logged
-    as text."""
+    as text. Every `round` event also goes to `on_round` (the experiment tracker)."""
     last_update = -math.inf
 
     def relay(line: str) -> None:
@@ -46,6 +48,7 @@ def learner_relay(logger, progress: UUID) -> Callable[[str], None]:
             logger.info("%s", line)
             return
         if event["event"] == "round":
+            on_round(event)
             now = time.monotonic()
             if now - last_update >= PROGRESS_EVERY_S or event["round"] + 1 == event["rounds"]:
                 logger.info("round %d/%d loss %.4f, %s tokens/s, ETA %.0f s", event["round"] + 1, event["rounds"],
@@ -73,7 +76,33 @@ def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: 
     A learner that dies is retried by Prefect and resumes (`training.stages.train_learner`)."""
     progress = create_progress_artifact(0.0, key=f"progress-learner-{learner}",
                                         description=f"Rounds completed by learner {learner} on {island} ({run_id})")
-    return stages.train_learner(spec, run_id, learner, learner_relay(get_run_logger(), progress), until, lease_term)
+    logger = get_run_logger()
+    with ExitStack() as tracking:
+        try:
+            sink = tracking.enter_context(shared_sink(spec.tracking, spec.name, run_id, island))
+        except TrackingUnavailable:
+            raise
+        except Exception as err:  # noqa: BLE001 - a tracker out of reach costs its curves, never the training
+            logger.warning("tracking: %s unavailable, training without it: %s: %s", spec.tracking.backend,
+                           type(err).__name__, err)
+            sink = None
+        on_round = (lambda event: None) if sink is None else round_tracker(sink, spec, island, learner, logger)
+        return stages.train_learner(spec, run_id, learner, learner_relay(logger, progress, on_round), until, lease_term)
+
+
+def round_tracker(sink: Sink, spec: RunSpec, island: str, learner: int, logger) -> Callable[[dict], None]:
+    """What a learner's `round` event brings the tracker: the ledger entries it booked in that round."""
+    tokens_per_round = spec.learners[learner].tokens_per_round()
+
+    def track(event: dict) -> None:
+        try:
+            booked = event["booked"]
+            sink.log(learner_points(island, learner, tokens_per_round, booked["rounds"], booked["exchanges"]))
+        except Exception as err:  # noqa: BLE001 - a tracker out of reach costs its curves, never the training
+            logger.warning("tracking: round %s of learner %d not logged: %s: %s", event.get("round"), learner,
+                           type(err).__name__, err)
+
+    return track
 
 
 @stage("consolidate")

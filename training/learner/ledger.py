@@ -16,6 +16,11 @@ from infra.store import IntegrityError, ObjectExists, ObjectMissing, StoreError
 from infra.stores import RunStores
 
 
+# A missed exchange whose message arrived and was refused (`training.exchange.exchanger.Exchanger.receive`'s
+# reasons): damaged, or failing the checks a peer's message must pass.
+REFUSED_REASONS = ("refused", "corrupt")
+
+
 @dataclass
 class Ledger:
     bytes_written: int = 0  # messages
@@ -58,8 +63,20 @@ class Ledger:
         # (`blocked_s`) for them.
         self.exchanges.append({"round": round_index, "fragment": fragment, "bytes_sent": result.bytes_sent,
                                "bytes_received": sum(result.bytes_read.values()),
+                               "bytes_read_intra": result.bytes_read["intra"],
+                               "bytes_read_inter": result.bytes_read["inter"],
                                "peers": [r.peer for r in result.received], "blocked_s": blocked_s,
+                               "missed": len(result.missed),
+                               "refused": sum(1 for m in result.missed if m["reason"].startswith(REFUSED_REASONS)),
                                "seconds": dict(result.seconds)})
+
+    def mark(self) -> tuple[int, int]:
+        """Where the ledger's rounds and exchanges end now: `booked_since` it gives what came after."""
+        return len(self.rounds), len(self.exchanges)
+
+    def booked_since(self, mark: tuple[int, int]) -> dict:
+        """The rounds and exchanges booked since `mark`: what a `round` event carries to the island's relay."""
+        return {"rounds": self.rounds[mark[0]:], "exchanges": self.exchanges[mark[1]:]}
 
     def state_dict(self) -> dict:
         return asdict(self)

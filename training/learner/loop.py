@@ -140,7 +140,7 @@ class Learner:
             if until is not None and not self._round_fits(until, clock, round_seconds):
                 self._window_closed(t, until.isoformat())
                 return False
-            round_started = time.monotonic()
+            round_started, booked = time.monotonic(), self.ledger.mark()
             loss = self.run_round(t)
             round_seconds = time.monotonic() - round_started
             if self.rank == 0:
@@ -148,7 +148,8 @@ class Learner:
                 emit("round", learner=self.slot.index, island=self.slot.island.name, round=t,
                      rounds=self.spec.sync.rounds, loss=round(loss, 4),
                      tokens_per_s=round(done * self.slot.tokens_per_round() / elapsed),
-                     eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1))
+                     eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1),
+                     booked=self.ledger.booked_since(booked))
             if self._window_cut_short(t):
                 self._window_closed(t + 1, "now (fault 'close_window')")
                 return False

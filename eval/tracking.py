@@ -1,0 +1,332 @@
+"""A run's series in the experiment trackers ML teams already use: TensorBoard, MLflow, Weights & Biases.
+
+Each learner's ledger (training/learner/ledger.py) is the record: an island's worker relays the part
+of it each `round` event carries (tasks/training.py), `archipelago export-metrics` replays a finished
+run's, and both turn into the same points through `learner_points`, so a tracker holds the ledger's
+values whichever way they came. The control plane adds the report's figures (`report_points`) at
+the end. Every writer of a run, on any worker, logs to one tracker run named by the run id.
+
+A `Sink` buffers points and writes them in batches (`tracking.flush_every_records` or
+`flush_every_s`, and when it closes), so a remote tracker is not called per round. Each backend's
+package is an optional extra, imported only when a spec names the backend. Credentials come from the
+writing process's environment, never from the spec.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from infra import layout
+from infra.tracking_spec import TrackingSpec
+from training.learner.ledger import read_summaries
+
+logger = logging.getLogger(__name__)
+
+# The series each learner gets, under `<metric>/<island>/learner-<index>`, at step = the round. A
+# round's own: its mean inner loss and its tokens over its seconds computing and syncing.
+ROUND_METRICS = ("loss", "tokens_per_s")
+# An exchange's, at the round it exchanged: seconds the learner waited for it, message bytes it read
+# over each link class and wrote, partners' messages that never came or were refused.
+EXCHANGE_METRICS = ("seconds_blocked", "bytes_read_intra", "bytes_read_inter", "bytes_written",
+                    "missed_exchanges", "refused_messages")
+# The report's communication totals, under `communication/<name>`.
+COMMUNICATION_TOTALS = ("inter_island_bytes", "intra_island_bytes", "bytes_written", "checkpoint_bytes",
+                        "allreduce_equivalent_bytes", "inter_island_reduction")
+CONSENSUS = ("max_weight_distance", "mean_weight_distance", "max_pairwise_distance")
+RUN_TAG = "archipelago.run_id"  # the MLflow tag that names a tracker run's archipelago run
+
+
+@dataclass(frozen=True)
+class Point:
+    key: str
+    value: float
+    step: int
+
+
+@dataclass(frozen=True)
+class TrackerLink:
+    """Where a person finds the tracker run: a URL (http, or file:// for local files) and how to open it."""
+
+    url: str
+    description: str
+
+
+class TrackingUnavailable(RuntimeError):
+    """The backend's package is not installed here; the message names the extra that installs it."""
+
+
+def learner_points(island: str, learner: int, tokens_per_round: int, rounds: list[dict],
+                   exchanges: list[dict]) -> list[Point]:
+    """A learner's points from its ledger's round and exchange entries (all of them, or those booked since
+    its last `round` event)."""
+    tag = f"{island}/learner-{learner}"
+    points = []
+    for entry in rounds:
+        seconds = entry["compute_s"] + entry["sync_s"]
+        points.append(Point(f"loss/{tag}", entry["loss"], entry["round"]))
+        if seconds > 0:
+            points.append(Point(f"tokens_per_s/{tag}", tokens_per_round / seconds, entry["round"]))
+    for entry in exchanges:
+        values = {"seconds_blocked": entry["blocked_s"], "bytes_read_intra": entry["bytes_read_intra"],
+                  "bytes_read_inter": entry["bytes_read_inter"], "bytes_written": entry["bytes_sent"],
+                  "missed_exchanges": entry["missed"], "refused_messages": entry["refused"]}
+        points.extend(Point(f"{metric}/{tag}", values[metric], entry["round"]) for metric in EXCHANGE_METRICS)
+    return points
+
+
+def report_points(report: dict, step: int) -> list[Point]:
+    """The report's bpb table (`bpb/<evaluation>/islands`, `/baseline`, `/relative_difference`), consensus
+    distances and communication totals, at `step` (the run's number of rounds: after its last)."""
+    values = {}
+    for name, entry in report["evals"].items():
+        values.update({f"bpb/{name}/islands": entry["islands_bpb"], f"bpb/{name}/baseline": entry["baseline_bpb"],
+                       f"bpb/{name}/relative_difference": entry["relative_difference"]})
+    values.update({f"consensus/{name}": report["consensus"][name] for name in CONSENSUS})
+    values.update({f"communication/{name}": report["communication"][name] for name in COMMUNICATION_TOTALS})
+    return [Point(key, value, step) for key, value in values.items() if value is not None]
+
+
+def replay_run(spec, store, sink: "Sink") -> dict:
+    """A run's ledgers (its learners' summaries) and, once it has one, its report from its store into
+    `sink`: what its relays and its report stage logged, or would have. Returns what it logged."""
+    summaries = read_summaries(spec, store)
+    points = 0
+    for summary in summaries:
+        slot = spec.learners[summary.learner]
+        learner = learner_points(slot.island.name, slot.index, slot.tokens_per_round(), summary.rounds,
+                                 summary.exchanges)
+        sink.log(learner)
+        points += len(learner)
+    report = store.get_json(layout.REPORT) if store.exists(layout.REPORT) else None
+    if report is not None:
+        final = report_points(report, spec.sync.rounds)
+        sink.log(final)
+        points += len(final)
+    return {"learners": len(summaries), "points": points, "report": report is not None}
+
+
+def _import(module: str, backend: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise TrackingUnavailable(f"tracking.backend {backend} needs the '{backend}' extra, which is not installed "
+                                  f"here ({err}): pip install 'archipelago[{backend}]'") from None
+
+
+class Sink(ABC):
+    """A buffered writer of points to one tracker run; safe to share between threads."""
+
+    def __init__(self, settings: TrackingSpec, clock: Callable[[], float] = time.monotonic):
+        self.settings, self.clock = settings, clock
+        self._buffer: list[Point] = []
+        self._flushed_at = clock()
+        self._lock = threading.Lock()
+
+    def log(self, points: Iterable[Point]) -> None:
+        """Buffer `points`; write the buffer once it holds `flush_every_records` or `flush_every_s` has passed."""
+        with self._lock:
+            self._buffer.extend(points)
+            if len(self._buffer) >= self.settings.flush_every_records \
+                    or self.clock() - self._flushed_at >= self.settings.flush_every_s:
+                self._flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def close(self, finished: bool = False) -> None:
+        """Write what is buffered and let the tracker go; `finished`: the run is over (the report is logged)."""
+        with self._lock:
+            self._flush()
+            self._close(finished)
+
+    def _flush(self) -> None:
+        points, self._buffer, self._flushed_at = self._buffer, [], self.clock()
+        if points:
+            self._write(points)
+
+    @abstractmethod
+    def _write(self, points: list[Point]) -> None: ...
+
+    @abstractmethod
+    def _close(self, finished: bool) -> None: ...
+
+    @abstractmethod
+    def link(self) -> TrackerLink: ...
+
+
+class TensorBoardSink(Sink):
+    """Event files under `<uri>/<run id>`: each writing process adds its own file, named by its writer."""
+
+    def __init__(self, settings: TrackingSpec, project: str, run_id: str, writer: str, **options):
+        super().__init__(settings, **options)
+        tensorboard = _import("torch.utils.tensorboard", "tensorboard")
+        self.logdir = Path(settings.uri) / run_id
+        self.writer = tensorboard.SummaryWriter(str(self.logdir), filename_suffix=f".{writer}")
+
+    def _write(self, points: list[Point]) -> None:
+        for point in points:
+            self.writer.add_scalar(point.key, point.value, point.step)
+        self.writer.flush()
+
+    def _close(self, finished: bool) -> None:
+        self.writer.close()
+
+    def link(self) -> TrackerLink:
+        return TrackerLink(self.logdir.resolve().as_uri(),
+                           f"TensorBoard event files of this run: `tensorboard --logdir {self.logdir}`")
+
+
+class MlflowSink(Sink):
+    """An MLflow run, named and tagged by the run id, in the experiment `project`.
+
+    MLflow picks run ids itself, so writers that start at once may each create one: each then keeps
+    the earliest of the run's (by start time, then id) and deletes its own if that is not it."""
+
+    BATCH = 1000  # metrics per log_batch call, MLflow's limit
+
+    def __init__(self, settings: TrackingSpec, project: str, run_id: str, writer: str, **options):
+        super().__init__(settings, **options)
+        mlflow = _import("mlflow", "mlflow")
+        self.entities = importlib.import_module("mlflow.entities")
+        self.client = mlflow.MlflowClient(tracking_uri=settings.uri)
+        self.experiment_id = self._experiment(project, mlflow.exceptions.MlflowException)
+        self.run_uuid = self._run(run_id, project)
+
+    def _experiment(self, name: str, error: type) -> str:
+        experiment = self.client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except error:  # another writer created it first
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _runs_of(self, run_id: str) -> list:
+        return self.client.search_runs([self.experiment_id], f"tags.`{RUN_TAG}` = '{run_id}'")
+
+    def _run(self, run_id: str, project: str) -> str:
+        runs = self._runs_of(run_id)
+        if not runs:
+            mine = self.client.create_run(self.experiment_id, run_name=run_id, tags={RUN_TAG: run_id}).info.run_id
+            runs = self._runs_of(run_id)
+            kept = min(runs, key=lambda run: (run.info.start_time, run.info.run_id)).info.run_id
+            if kept != mine:
+                self.client.delete_run(mine)
+            return kept
+        return min(runs, key=lambda run: (run.info.start_time, run.info.run_id)).info.run_id
+
+    def _write(self, points: list[Point]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self.entities.Metric(p.key, float(p.value), now, p.step) for p in points]
+        for start in range(0, len(metrics), self.BATCH):
+            self.client.log_batch(self.run_uuid, metrics=metrics[start:start + self.BATCH])
+
+    def _close(self, finished: bool) -> None:
+        if finished:
+            self.client.set_terminated(self.run_uuid, "FINISHED")
+
+    def link(self) -> TrackerLink:
+        uri = self.settings.uri
+        page = f"#/experiments/{self.experiment_id}/runs/{self.run_uuid}"
+        scheme = urlsplit(uri).scheme
+        if scheme in ("http", "https"):
+            return TrackerLink(f"{uri.rstrip('/')}/{page}", f"MLflow run {self.run_uuid}")
+        local = uri[len("sqlite:///"):] if scheme == "sqlite" else urlsplit(uri).path if scheme == "file" else uri
+        return TrackerLink(Path(local).resolve().as_uri() if scheme in ("sqlite", "file", "") else uri,
+                           f"MLflow run {self.run_uuid} in {uri}: `mlflow server --backend-store-uri {uri}` "
+                           f"(the full mlflow package) shows it at /{page}")
+
+
+class WandbSink(Sink):
+    """A W&B run whose id is the run id. Online, every writer joins it in W&B's shared mode (the control
+    plane as the primary writer); with WANDB_MODE=offline each process writes an offline run folder of
+    that id, which `wandb sync` uploads into the one run. Each point is logged with its round as the
+    `round` field, the x axis of every series."""
+
+    def __init__(self, settings: TrackingSpec, project: str, run_id: str, writer: str, primary: bool, **options):
+        super().__init__(settings, **options)
+        wandb = _import("wandb", "wandb")
+        offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
+        server = settings.uri is not None and urlsplit(settings.uri).scheme in ("http", "https")
+        folder = None if settings.uri is None or server else Path(settings.uri)
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project, id=run_id, name=run_id, dir=folder, resume="allow", reinit="create_new",
+            settings=wandb.Settings(mode="offline" if offline else "shared", x_label=writer, x_primary=primary,
+                                    console="off", x_disable_stats=True, silent=True,
+                                    **({"base_url": settings.uri} if server else {})))
+        self.run.define_metric("round")
+        self.run.define_metric("*", step_metric="round")
+
+    def _write(self, points: list[Point]) -> None:
+        by_step: dict[int, dict] = {}
+        for point in points:
+            by_step.setdefault(point.step, {})[point.key] = point.value
+        for step, values in by_step.items():
+            self.run.log({**values, "round": step})
+
+    def _close(self, finished: bool) -> None:
+        self.run.finish()
+
+    def link(self) -> TrackerLink:
+        if self.run.url:
+            return TrackerLink(self.run.url, f"W&B run {self.run.id}")
+        folder = Path(self.run.settings.sync_dir)
+        return TrackerLink(folder.resolve().as_uri(), f"W&B offline run {self.run.id}: `wandb sync {folder}` "
+                                                      "uploads it")
+
+
+BACKENDS: dict[str, type[Sink]] = {"tensorboard": TensorBoardSink, "mlflow": MlflowSink, "wandb": WandbSink}
+
+
+def open_sink(settings: TrackingSpec, spec_name: str, run_id: str, writer: str, primary: bool = False) -> Sink:
+    """A sink on the tracker run of `run_id`, for `writer` (the control plane, an island, an export).
+    `primary`: the writer that creates the run and ends it (the control plane)."""
+    options = {"primary": primary} if settings.backend == "wandb" else {}
+    return BACKENDS[settings.backend](settings, settings.project_of(spec_name), run_id, writer, **options)
+
+
+_shared: dict[tuple, list] = {}  # (settings, run id) -> [sink, users]
+_shared_lock = threading.Lock()
+
+
+@contextmanager
+def shared_sink(settings: TrackingSpec, spec_name: str, run_id: str, writer: str) -> Iterator[Sink | None]:
+    """The process's one sink on the run's tracker run, shared by every learner's relay in it and closed
+    when the last lets go (a tracker that fails then costs its last points, logged as a warning, not the
+    training); None when the spec tracks nothing."""
+    if settings.backend == "none":
+        yield None
+        return
+    key = (settings, run_id)
+    with _shared_lock:
+        if key not in _shared:
+            _shared[key] = [open_sink(settings, spec_name, run_id, writer), 0]
+        _shared[key][1] += 1
+        sink = _shared[key][0]
+    try:
+        yield sink
+    finally:
+        with _shared_lock:
+            _shared[key][1] -= 1
+            last = _shared[key][1] == 0
+            if last:
+                del _shared[key]
+        if last:
+            try:
+                sink.close()
+            except Exception as err:  # noqa: BLE001 - see above
+                logger.warning("tracking: closing the %s run of %s failed: %s: %s", settings.backend, run_id,
+                               type(err).__name__, err)
