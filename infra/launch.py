@@ -38,6 +38,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from infra.spec import IslandSpec, RunSpec
+from infra.tracking_spec import TRACKER_CREDENTIALS
 
 # Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
 WINDOW_CLOSED = 75
@@ -111,8 +112,8 @@ def threads_per_process(spec: RunSpec) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
-# Learners never talk to the control plane's API (their output is relayed by the task that runs them),
-# so they do not inherit what opens it.
+# Learners never talk to the control plane's API nor to an experiment tracker (their output is relayed by
+# the task that runs them), so they do not inherit what opens either.
 PREFECT_CREDENTIALS = ("PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_KEY")
 
 
@@ -189,7 +190,7 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
     from the end by the learner's summary, which only a learner that trained every round writes.
     Whatever ends this call, the learner's process group is ended with it. `withheld_env`: variables
     of this environment the learner must not inherit (other writers' keys)."""
-    withheld = set(withheld_env) | set(PREFECT_CREDENTIALS)
+    withheld = set(withheld_env) | set(PREFECT_CREDENTIALS) | set(TRACKER_CREDENTIALS)
     env = {**{name: value for name, value in os.environ.items() if name not in withheld},
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
            PARENT_PID: str(os.getpid()), **LOOPBACK_ONLY}
