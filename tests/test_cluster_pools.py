@@ -191,3 +191,30 @@ def test_a_learner_told_srun_started_it_runs_only_under_slurmstepd(tmp_path):
     started = subprocess.run([str(step_daemon), "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, started.stderr
     assert started.stdout.strip().startswith(("Linux", "linux"))
+
+
+def test_the_dockerfile_installs_the_project_with_its_kubernetes_extra_as_a_non_root_user():
+    """What can be checked without a Docker daemon or registry: the instructions, the torch it pins
+    (the same command the build runs, run here) and that the image gets every package pyproject.toml ships."""
+    import shlex
+    import tomllib
+
+    text = (REPO / "Dockerfile").read_text().replace("\\\n", "")
+    instructions = [line.split(maxsplit=1) for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    assert instructions[0] == ["FROM", "python:3.11-slim"]
+    assert ["ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"] in instructions
+    runs = [rest for keyword, rest in instructions if keyword == "RUN"]
+    (torch_run,) = [run for run in runs if "$TORCH_INDEX_URL" in run]
+    with_python = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # `python`, as in the image
+    pinned = subprocess.run(["sh", "-c", "echo " + torch_run.split('"$TORCH_INDEX_URL" ', 1)[1]], cwd=REPO,
+                            env=with_python, capture_output=True, text=True, check=True).stdout.strip()
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert pinned.startswith("torch==") and pinned in pyproject["project"]["dependencies"]
+    assert any('pip install ".[kubernetes]"' in run for run in runs)
+    copied = {shlex.split(rest)[0] for keyword, rest in instructions if keyword == "COPY"}
+    packages = {pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= copied
+    ignored = (REPO / ".dockerignore").read_text().splitlines()
+    assert "*" in ignored and all(f"!{path}" in ignored for path in copied)
+    user = [rest for keyword, rest in instructions if keyword == "USER"][-1]
+    assert user.isdigit() and int(user) > 0
