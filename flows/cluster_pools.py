@@ -3,9 +3,9 @@
 It starts from prefect-kubernetes' own template and fixes, from `islands[].pool`, everything that
 decides what a segment's pod runs and as whom: the image (the project installed in it; code never
 comes from a path of the deploying machine), the namespace, service account, node selector, CPU,
-memory and GPUs, and the environment, which holds only references to the island's Kubernetes Secret
-for its store keys (the worker adds Prefect's own settings). No `command` or `args` is set: the
-worker runs its own engine command. A run's job variables may set only how its Job is named,
+memory and GPUs, a non-root user, and the environment, which holds only references to the island's
+Kubernetes Secret for its store keys (the worker adds Prefect's own settings). No `command` or
+`args` is set: the worker runs its own engine command. A run's job variables may set only how its Job is named,
 retried, kept and watched (`RUN_VARIABLES`); the server refuses any other (422).
 """
 
