@@ -312,9 +312,10 @@ def test_the_relay_reports_a_burst_of_rounds_at_its_first_and_last_round_only(pr
 
 def test_a_learner_inherits_neither_the_control_planes_api_string_nor_withheld_keys(tmp_path, monkeypatch):
     """A learner runs where store writers' data is mixed in: it gets its own island's keys and nothing
-    that opens the Prefect API (whoever holds that string can run code on every worker)."""
+    that opens the Prefect API (whoever holds that string can run code on every worker) or a tracker."""
     store_url, store = endless_learner_run(tmp_path, processes=1, run_id="env")
     monkeypatch.setenv("PREFECT_API_AUTH_STRING", "archipelago:secret")
+    monkeypatch.setenv("WANDB_API_KEY", "the-island-workers-tracker-key")
     monkeypatch.setenv("OTHER_ISLAND_SIGNING_KEY", "not-for-this-learner")
     monkeypatch.setenv("OWN_ISLAND_SIGNING_KEY", "for-this-learner")
     seen: list[dict] = []
@@ -330,6 +331,7 @@ def test_a_learner_inherits_neither_the_control_planes_api_string_nor_withheld_k
         run_learner(LearnerProcess(0, 1, 1, spec_sha256=spec_sha256(store.get_json(layout.SPEC))), store_url, None,
                     "env", inspect_then_stop, withheld_env=["OTHER_ISLAND_SIGNING_KEY"])
     assert seen and all("PREFECT_API_AUTH_STRING" not in env and "OTHER_ISLAND_SIGNING_KEY" not in env
+                        and "WANDB_API_KEY" not in env
                         and env.get("OWN_ISLAND_SIGNING_KEY") == "for-this-learner" for env in seen)
 
 
