@@ -65,7 +65,9 @@ class PoolSpec(SpecModel):
                 raise ValueError(f"launcher {self.launcher} is for process pools; a kubernetes pool starts the "
                                  "learners in its pod")
         else:
-            misplaced = sorted(set(_KUBERNETES_FIELDS) & self.model_fields_set)
+            # Compared with the defaults, not the fields given: a spec read back from its JSON has every field.
+            misplaced = [name for name in _KUBERNETES_FIELDS
+                         if getattr(self, name) != type(self).model_fields[name].get_default(call_default_factory=True)]
             if misplaced:
                 raise ValueError(f"{', '.join(misplaced)}: only for type kubernetes (this pool is a process pool)")
         return self

@@ -155,7 +155,12 @@ def test_a_pool_that_cannot_work_is_refused_when_the_spec_loads(change, problem)
     with pytest.raises(SpecError) as refusal:
         parse_spec(k8s_raw(**change))
     assert problem in str(refusal.value)
-    parse_spec(k8s_raw())  # the unchanged spec is valid
+
+
+@pytest.mark.parametrize("pool", [{"type": "kubernetes", "image": "archipelago:1"}, {}, {"launcher": "srun"}])
+def test_a_pool_reads_back_from_the_json_a_run_keeps_of_its_spec(pool):
+    spec = parse_spec(k8s_raw(pool=pool))
+    assert parse_spec(spec.model_dump(mode="json")) == spec
 
 
 def test_the_srun_launcher_starts_a_learner_as_a_slurm_job_from_a_guarded_srun():
