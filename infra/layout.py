@@ -49,6 +49,13 @@ def message(learner: int, round_index: int, fragment: int | None = None) -> str:
     return f"{round_prefix(learner, round_index)}/{name}"
 
 
+def crossing_message(learner: int, round_index: int, fragment: int | None = None) -> str:
+    """What a learner sends the other islands in a round that crosses them (`sync.mode: hierarchical`):
+    its slice of its island's anchor and pseudo-gradient, apart from its `message` of the round."""
+    name = "message-crossing" if fragment is None else f"message-crossing-fragment-{fragment:03d}"
+    return f"{round_prefix(learner, round_index)}/{name}"
+
+
 def checkpoint(learner: int, round_index: int) -> str:
     """A learner's state after a round; it exists only once its JSON manifest does."""
     return f"{round_prefix(learner, round_index)}/checkpoint"

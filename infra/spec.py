@@ -282,17 +282,22 @@ class TrainingSpec(SpecModel):
 
 
 class SyncSpec(SpecModel):
-    mode: Literal["butterfly", "allreduce"] = Field(
-        "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean.")
+    mode: Literal["butterfly", "allreduce", "hierarchical"] = Field(
+        "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean; "
+                                 "hierarchical: an exact mean inside each island every round and a crossing "
+                                 "between islands (every inter_island_every-th exchange of a fragment) that gives "
+                                 "every learner one anchor and outer step.")
     rounds: int = Field(ge=1, le=MAX_STEPS, description="Outer rounds; every learner synchronises once per round.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
     inter_island_every: int = Field(
         1, ge=1, le=MAX_STEPS,
-        description="Butterfly only: pairs on different islands exchange only in every this-many-th cycle of "
+        description="Butterfly: pairs on different islands exchange only in every this-many-th cycle of "
                     "stages (a cycle: one exchange of a fragment per stage); in the other cycles such a pair sits "
                     "the stage out (each takes its outer step alone) while pairs within an island exchange as "
-                    "usual. Rounds can then be short for the islands' own fast links while the slow link is "
-                    "crossed this many times less often. 1: every stage every cycle.")
+                    "usual. Hierarchical: islands cross (and take the outer step) in every this-many-th exchange "
+                    "of a fragment; in the others each island only takes its exact mean. Rounds can then be short "
+                    "for the islands' own fast links while the slow link is crossed this many times less often. "
+                    "1: every time.")
     partner_timeout_s: float = Field(600, gt=0, le=MAX_WAIT_S,
                                      description="How long a learner waits for a partner's message.")
     partner_wait_rounds: float | None = Field(
@@ -310,10 +315,10 @@ class SyncSpec(SpecModel):
 
 
     @model_validator(mode="after")
-    def _stages_need_butterfly(self) -> "SyncSpec":
-        if self.inter_island_every > 1 and self.mode != "butterfly":
-            raise ValueError(f"inter_island_every: {self.inter_island_every} needs mode butterfly "
-                             f"(mode {self.mode} has no stages to skip)")
+    def _inter_island_every_needs_crossings(self) -> "SyncSpec":
+        if self.inter_island_every > 1 and self.mode == "allreduce":
+            raise ValueError(f"inter_island_every: {self.inter_island_every} needs mode butterfly or hierarchical "
+                             f"(mode {self.mode} has no crossings to skip)")
         return self
 
 

@@ -133,25 +133,28 @@ class ErrorFeedback:
         self.residual = {f: torch.zeros(size) for f in fields} if self.enabled else {}
 
     def encode(self, fields: dict[str, torch.Tensor], index: torch.Tensor,
-               sparsify: dict[str, bool] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Payload, the decoded values peers will see, and each field's new residual slice."""
+               sparsify: dict[str, bool] | None = None, residuals: str = "",
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Payload, the decoded values peers will see, and each field's new residual slice. A field
+        `name` keeps its residual under `<residuals><name>`: messages of another kind keep theirs apart."""
         payload, decoded, residual = {}, {}, {}
         for name, value in fields.items():
-            target = value + self.residual[name].index_select(0, index) if self.enabled else value
+            target = value + self.residual[residuals + name].index_select(0, index) if self.enabled else value
             part = self.codec.encode(name, target, sparsify=(sparsify or {}).get(name, True))
             payload.update(part)
             decoded[name] = decode_field(name, part)
             if self.enabled:
-                residual[name] = target - decoded[name]
+                residual[residuals + name] = target - decoded[name]
         return payload, decoded, residual
 
     def residual_after(self, fields: dict[str, torch.Tensor], index: torch.Tensor,
-                       sent: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+                       sent: dict[str, torch.Tensor], residuals: str = "") -> dict[str, torch.Tensor]:
         """The residual slices when a message other than the one just encoded was sent (an
         earlier life of this learner committed it first): target minus what peers actually see."""
         if not self.enabled:
             return {}
-        return {name: value + self.residual[name].index_select(0, index) - sent[name] for name, value in fields.items()}
+        return {residuals + name: value + self.residual[residuals + name].index_select(0, index) - sent[name]
+                for name, value in fields.items()}
 
     def commit(self, index: torch.Tensor, residual: dict[str, torch.Tensor]) -> None:
         for name, value in residual.items():

@@ -7,7 +7,9 @@ anchor θ, and on the transport thread commits the message (compressed with erro
 the codec is lossy), then fetches and validates each peer's (`training.exchange.messages`), mixes them (the
 sync mode) and takes the fragment's outer optimizer step, all while the learner goes on computing.
 `tau` inner steps later the learner applies the exchange: the fragment moves to the new anchor plus
-the local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)).
+the local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)). In hierarchical mode
+a round that does not cross islands leaves the anchor (and the outer optimizer) as it is and moves
+the weights to the island's mean instead: x_f <- (θ_f − Δ_I) + (x_f(now) − x_f(sent)).
 
 The exchanger talks to the stores only through its channel (`training.exchange.channel.Channel`:
 `submit`, `send`, `read_own`, `fetch`; the real one is `training.exchange.transport.Transport`), so it
@@ -31,7 +33,8 @@ from training.exchange.compression import Codec, ErrorFeedback
 from training.learner.events import emit
 from training.exchange.fragments import FragmentLayout, exchange_count, fragment_of_round
 from training.exchange.messages import ExpectedMessage, MessageRejected, accept_message, check_bounds
-from training.exchange.mixing import butterfly_partner, crosses_islands_in, mix_pair, weighted_mean
+from training.exchange.mixing import (butterfly_partner, crosses_islands_in, mean_over_islands, mix_pair,
+                                      slice_bounds, stage_count, weighted_mean)
 from training.exchange.outer import OuterOptimizer, StateRejected
 
 
@@ -46,6 +49,8 @@ class SyncMode:
     """Who a learner's peers are in a round, which fields its message carries, how messages mix."""
 
     fields: tuple[str, ...]
+    # Whether a fragment's weights are its anchor right after an exchange is applied.
+    weights_are_anchor = True
 
     def peers(self, me: int, round_index: int, fragments: int, links: list[str],
               inter_island_every: int = 1) -> list[int]:
@@ -68,7 +73,7 @@ class Butterfly(SyncMode):
         partner = butterfly_partner(me, exchange, len(links))
         # Both partners see the pair as crossing or not, so both sit out together.
         if partner is None or (links[partner] == "inter" and
-                               not crosses_islands_in(exchange, len(links), inter_island_every)):
+                               not crosses_islands_in(exchange, inter_island_every, stage_count(len(links)))):
             return []
         return [partner]
 
@@ -90,13 +95,92 @@ class AllReduce(SyncMode):
         return sorted((p for p in range(len(links)) if p != me), key=lambda p: links[p] != "inter")
 
     def mix(self, outer, me, own, tokens, received):
-        # Every learner sums in learner order, so all that heard the same peers agree bitwise.
-        messages = sorted([(me, own["delta"], tokens)] + [(r.peer, r.fields["delta"], r.tokens) for r in received],
-                          key=lambda item: item[0])
-        return outer.step(own["anchor"], weighted_mean([m[1] for m in messages], [m[2] for m in messages]))
+        return outer.step(own["anchor"], mean_delta(me, own["delta"], tokens, received))
 
 
-SYNC_MODES: dict[str, SyncMode] = {"butterfly": Butterfly(), "allreduce": AllReduce()}
+class Hierarchical(SyncMode):
+    """An exact mean inside each island every round, a crossing between islands in every
+    `inter_island_every`-th exchange of a fragment, one anchor and outer optimizer state shared by all
+    learners (training/exchange/mixing.py). A round's peers are the learner's own island; the
+    crossing's sources are every other learner, each with its slice of its island's fragment."""
+
+    fields = ("delta",)
+    weights_are_anchor = False
+
+    def peers(self, me, round_index, fragments, links, inter_island_every=1):
+        return [p for p in range(len(links)) if p != me and links[p] == "intra"]
+
+    def crosses(self, round_index: int, fragments: int, inter_island_every: int) -> bool:
+        return crosses_islands_in(exchange_count(round_index, fragments), inter_island_every)
+
+    def crossing_sources(self, me: int, links: list[str]) -> list[int]:
+        """Whose slices a learner reads in a crossing: every other learner, other islands first (theirs
+        come over the slow link)."""
+        return sorted((p for p in range(len(links)) if p != me), key=lambda p: links[p] != "inter")
+
+
+def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Received]) -> torch.Tensor:
+    """The token-weighted mean of this learner's pseudo-gradient and its peers'. Every learner sums in
+    learner order, so all that heard the same peers agree bitwise."""
+    messages = sorted([(me, own_delta, tokens)] + [(r.peer, r.fields["delta"], r.tokens) for r in received],
+                      key=lambda item: item[0])
+    return weighted_mean([m[1] for m in messages], [m[2] for m in messages])
+
+
+SYNC_MODES: dict[str, SyncMode] = {"butterfly": Butterfly(), "allreduce": AllReduce(), "hierarchical": Hierarchical()}
+CROSSING_FIELDS = ("anchor", "delta")
+CROSSING_RESIDUALS = "crossing."  # where a crossing's message keeps its error-feedback residuals
+
+
+def islands_of(spec: RunSpec) -> list[list[int]]:
+    """Each island's learners, islands and learners in order (learners are numbered island by island)."""
+    return [[slot.index for slot in spec.learners if slot.island.name == island.name] for island in spec.islands]
+
+
+def island_members(spec: RunSpec, learner: int) -> list[int]:
+    """The learners of `learner`'s island, in order."""
+    return next(members for members in islands_of(spec) if learner in members)
+
+
+def island_tokens(spec: RunSpec, members: list[int]) -> int:
+    """What an island's crossing message is weighed by: its learners' tokens of a round, by the plan."""
+    return sum(spec.learners[m].tokens_per_round() for m in members)
+
+
+def crossing_slices(spec: RunSpec, sizes: list[int]) -> list[list[tuple[int, int]]]:
+    """Per fragment (of `sizes` elements), per learner: the (start, end) of the slice of the fragment
+    the learner carries across islands in hierarchical mode, its place in its island's slicing. A
+    fragment with fewer elements than an island has learners leaves one with nothing to carry: refused."""
+    for island in spec.islands:
+        for fragment, size in enumerate(sizes):
+            if size < island.learners:
+                raise ValueError(f"sync.mode hierarchical: fragment {fragment} has {size} parameters, fewer than "
+                                 f"island {island.name}'s {island.learners} learners, each of which carries a slice "
+                                 f"of it across islands; use fewer fragments (sync.transport.fragments) or learners")
+    members = [island_members(spec, slot.index) for slot in spec.learners]
+    return [[slice_bounds(size, len(members[i]), members[i].index(i)) for i in range(len(spec.learners))]
+            for size in sizes]
+
+
+def message_key(fragments: int, learner: int, round_index: int, crossing: bool = False) -> str:
+    """Where learner `learner`'s message of a round lies (`crossing`: its hierarchical crossing's)."""
+    fragment = fragment_of_round(round_index, fragments) if fragments > 1 else None
+    return (layout.crossing_message if crossing else layout.message)(learner, round_index, fragment)
+
+
+def expected_message(spec: RunSpec, learner: int, round_index: int, numel: int,
+                     crossing: bool = False) -> ExpectedMessage:
+    """What learner `learner`'s message of a round is by the run's plan, `numel` elements a field. A
+    crossing's message (hierarchical mode) carries the learner's slice of its island's anchor and
+    pseudo-gradient, weighed by the island's tokens."""
+    settings = spec.sync.transport
+    lossless = Codec(settings.compression, settings.scale_chunk, settings.topk).lossless
+    members = island_members(spec, learner)
+    tokens = island_tokens(spec, members) if crossing else spec.learners[learner].tokens_per_round()
+    return ExpectedMessage(learner=learner, round=round_index, fragment=fragment_of_round(round_index, settings.fragments),
+                           tokens=tokens, numel=numel,
+                           fields=CROSSING_FIELDS if crossing else SYNC_MODES[spec.sync.mode].fields,
+                           anchor_from_initial=not lossless, slice_index=members.index(learner) if crossing else None)
 
 
 def partner_wait_s(sync, round_compute_s: float) -> float | None:
@@ -166,7 +250,11 @@ class ExchangeResult:
     corrupt_reads: int = 0
     anchor: torch.Tensor | None = None  # the fragment's next anchor: the mix after the outer step
     outer_state: tuple[dict[str, torch.Tensor], dict] | None = None  # the outer optimizer's, after that step
-    seconds: dict[str, float] = field(default_factory=dict)  # the job's parts: publish, receive, outer_step
+    # The fragment's weights after the exchange where they are not its anchor (hierarchical rounds that
+    # do not cross islands: the island's mean); None: the anchor.
+    weights: torch.Tensor | None = None
+    crossing_residual: dict[str, torch.Tensor] = field(default_factory=dict)  # over this learner's slice
+    seconds: dict[str, float] = field(default_factory=dict)  # the job's parts: publish, receive, cross, outer_step
 
 
 class Exchanger:
@@ -194,8 +282,13 @@ class Exchanger:
         # Compressed anchors travel as their difference from the run's initial weights, which every
         # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
         self.initial = initial
-        self.feedback = ErrorFeedback(self.codec, initial.numel(), ("anchor", "delta"), settings.error_feedback)
+        self.hierarchical = isinstance(self.mode, Hierarchical)
+        # A crossing's message has residuals of its own: it carries the island's values, not the learner's.
+        residuals = ("anchor", "delta") + (tuple(CROSSING_RESIDUALS + f for f in CROSSING_FIELDS)
+                                           if self.hierarchical else ())
+        self.feedback = ErrorFeedback(self.codec, initial.numel(), residuals, settings.error_feedback)
         self.links = ["intra" if peer.island.name == slot.island.name else "inter" for peer in spec.learners]
+        self.slices = crossing_slices(spec, self.layout.sizes) if self.hierarchical else []
 
     # -- the public face ------------------------------------------------------------------------
 
@@ -212,19 +305,23 @@ class Exchanger:
         changes afterwards. `deadline` (monotonic seconds): when to stop waiting for all peers together."""
         fragment = self.fragment_of(round_index)
         # Anchors are replaced when an exchange is applied, never changed in place: the job may read this one.
-        future = self.channel.submit(self._link_class(round_index), self._exchange, round_index, fragment.anchor,
+        future = self.channel.submit(self._job_class(round_index), self._exchange, round_index, fragment.anchor,
                                        fragment_weights, deadline)
         return Exchange(round_index, fragment.number, fragment_weights, future)
 
     def apply(self, exchange: Exchange, fragment_weights: torch.Tensor) -> tuple[torch.Tensor, ExchangeResult]:
         """Wait for the exchange (if it is still in flight: its job mixes and takes the outer step);
-        returns the fragment's new weights (the new anchor plus the progress made since it was sent).
+        returns the fragment's new weights (the new anchor, or the exchange's weights where they are
+        not the anchor, plus the progress made since it was sent).
         `fragment_weights`: the fragment's weights now, in the order of its `index`."""
         fragment = self.fragments[exchange.fragment]
         result: ExchangeResult = exchange.result.result()
         fragment.anchor, fragment.outer_state = result.anchor, result.outer_state
         self.feedback.commit(fragment.index, result.residual)
-        return fragment.anchor + (fragment_weights - exchange.sent_weights), result
+        if result.crossing_residual:
+            self.feedback.commit(self._slice_positions(fragment, self.slot.index), result.crossing_residual)
+        weights = fragment.anchor if result.weights is None else result.weights
+        return weights + (fragment_weights - exchange.sent_weights), result
 
     def publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor) -> Published:
         """Commit this round's message. If a previous life of this learner already sent one for the
@@ -232,33 +329,41 @@ class Exchanger:
         self.before_publish(round_index)
         fragment = self.fragment_of(round_index)
         fields = {name: value for name, value in (("anchor", anchor), ("delta", delta)) if name in self.mode.fields}
+        published = self._commit(round_index, self._message_key(self.slot.index, round_index),
+                                 self._link_class(round_index), fields, fragment.index,
+                                 self._expected(self.slot.index, round_index))
+        published.sent = {"anchor": published.sent.get("anchor", anchor), "delta": published.sent["delta"]}
+        return published
+
+    def _commit(self, round_index: int, key: str, link: str, fields: dict[str, torch.Tensor],
+                positions: torch.Tensor, expected: ExpectedMessage, residuals: str = "") -> Published:
+        """Encode `fields` (their `positions` in the flat vector) with error feedback (the residuals
+        under `residuals`) and commit them under `key` as `expected` describes; `sent`: the fields as
+        peers decode them."""
         if not self.codec.lossless:
-            fields = {name: value - self.initial[fragment.index] if name == "anchor" else value
+            fields = {name: value - self.initial[positions] if name == "anchor" else value
                       for name, value in fields.items()}
         payload, decoded, residual = (dict(fields), dict(fields), {}) if self.codec.lossless else \
-            self.feedback.encode(fields, fragment.index, sparsify={"anchor": False})
-        meta = {"learner": self.slot.index, "round": round_index, "tokens": self.slot.tokens_per_round(),
-                "fragment": fragment.number, "anchor_from_initial": not self.codec.lossless}
-        key, link, nbytes = self._message_key(self.slot.index, round_index), self._link_class(round_index), 0
+            self.feedback.encode(fields, positions, sparsify={"anchor": False}, residuals=residuals)
+        nbytes = 0
         try:
-            nbytes = self.channel.send(key, payload, meta, link)
+            nbytes = self.channel.send(key, payload, expected.metadata(), link)
         except ObjectExists:
-            expected = self._expected(self.slot.index, round_index)
             try:
                 sent, sent_meta, _ = self.channel.read_own(key, link, expected.max_bytes)
                 decoded = accept_message(sent, sent_meta, expected, self.codec)
                 # A previous life's message is close to what this life would send; one that is not
                 # was not ours to adopt, whoever wrote it.
                 check_bounds(decoded, fields)
-                residual = self.feedback.residual_after(fields, fragment.index, decoded)
+                residual = self.feedback.residual_after(fields, positions, decoded, residuals)
             except (StoreError, MessageRejected) as err:
                 # Someone else wrote our key first: peers refuse it as we do (or, if it passes their
                 # checks, it is bounded like any peer's); mix with our own, keep the residual as it was.
                 emit("own_message_refused", learner=self.slot.index, round=round_index, reason=str(err))
                 decoded, residual = dict(fields), {}
         if not self.codec.lossless and "anchor" in decoded:
-            decoded["anchor"] = decoded["anchor"] + self.initial[fragment.index]
-        return Published({"anchor": decoded.get("anchor", anchor), "delta": decoded["delta"]}, residual, nbytes)
+            decoded["anchor"] = decoded["anchor"] + self.initial[positions]
+        return Published(decoded, residual, nbytes)
 
     def receive(self, peer: int, round_index: int, deadline: float | None = None,
                 own: dict[str, torch.Tensor] | None = None) -> Receipt:
@@ -268,18 +373,22 @@ class Exchanger:
 
         Whatever goes wrong with a peer's message is a missed exchange, never this learner's end: a
         store that refuses us, bytes of any shape, records that lie."""
+        return self._receive(peer, round_index, self._message_key(peer, round_index), self._expected(peer, round_index),
+                             self.fragment_of(round_index).index, deadline, own)
+
+    def _receive(self, peer: int, round_index: int, key: str, expected: ExpectedMessage, positions: torch.Tensor,
+                 deadline: float | None, own: dict[str, torch.Tensor] | None) -> Receipt:
+        """`receive` of the message under `key`, whose fields lie at `positions` of the flat vector."""
         try:
-            return self._receive(peer, round_index, deadline, own)
+            return self._fetch(peer, round_index, key, expected, positions, deadline, own)
         except Exception as err:  # noqa: BLE001 - a peer's data must cost an exchange, never the run
             return self._missed(peer, round_index, f"unreadable: {type(err).__name__}")
 
-    def _receive(self, peer: int, round_index: int, deadline: float | None,
-                 own: dict[str, torch.Tensor] | None) -> Receipt:
-        key = self._message_key(peer, round_index)
+    def _fetch(self, peer: int, round_index: int, key: str, expected: ExpectedMessage, positions: torch.Tensor,
+               deadline: float | None, own: dict[str, torch.Tensor] | None) -> Receipt:
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         link = self.links[peer]
         wait_ends = time.monotonic() + timeout
-        expected = self._expected(peer, round_index)
         try:
             fetched = self.channel.fetch(peer, key, link, expected.max_bytes, timeout,
                                            give_up=lambda: self.skipped(peer, round_index))
@@ -297,7 +406,7 @@ class Exchanger:
         try:
             message = accept_message(payload, meta, expected, self.codec)
             if expected.anchor_from_initial and "anchor" in message:
-                message["anchor"] = message["anchor"] + self.initial[self.fragments[expected.fragment].index]
+                message["anchor"] = message["anchor"] + self.initial[positions]
             if own is not None:
                 check_bounds(message, own)
         except MessageRejected as err:
@@ -365,24 +474,95 @@ class Exchanger:
         result.seconds["publish"] = time.monotonic() - began
         for peer in self._peers(round_index):
             receipt = self.receive(peer, round_index, deadline, own={"anchor": anchor, "delta": delta})
-            watchdog.progress()
-            result.bytes_read[receipt.link] += receipt.bytes_read
-            result.corrupt_reads += receipt.corrupt
-            if receipt.message is None:
-                result.missed.append({"round": round_index, "peer": peer, "reason": receipt.reason})
-            else:
+            if self._book(result, receipt, round_index):
                 result.received.append(receipt.message)
         mixing = time.monotonic()
         result.seconds["receive"] = mixing - began - result.seconds["publish"]
         # At most one exchange is in flight (tau is at most the inner steps), so this fragment's
         # optimizer steps for one exchange at a time, in round order.
         fragment = self.fragment_of(round_index)
-        own = result.exact if self.spec.sync.transport.mix_own_exact and not self.codec.lossless else result.sent
-        result.anchor = self.mode.mix(fragment.outer, self.slot.index, own, self.slot.tokens_per_round(),
-                                      result.received)
+        own = result.exact if self._mixes_own_exact() else result.sent
+        if self.hierarchical:
+            # The crossing's reads get as long as this round's reads had, from when they begin: a slice
+            # comes only once its sender's own island has been heard.
+            self._mix_hierarchical(result, round_index, fragment, own, None if deadline is None else
+                                   time.monotonic() + max(0.0, deadline - began))
+        else:
+            result.anchor = self.mode.mix(fragment.outer, self.slot.index, own, self.slot.tokens_per_round(),
+                                          result.received)
         result.outer_state = fragment.outer.state()
-        result.seconds["outer_step"] = time.monotonic() - mixing
+        result.seconds["outer_step"] = time.monotonic() - mixing - result.seconds.get("cross", 0.0)
         return result
+
+    def _mix_hierarchical(self, result: ExchangeResult, round_index: int, fragment: Fragment,
+                          own: dict[str, torch.Tensor], deadline: float | None) -> None:
+        """The island's mean; in a round that crosses islands, the crossing and the outer step."""
+        anchor = own["anchor"]
+        island_delta = mean_delta(self.slot.index, own["delta"], self.slot.tokens_per_round(), result.received)
+        if not self._crosses(round_index):
+            result.anchor, result.weights = anchor, anchor - island_delta
+            return
+        crossing = time.monotonic()
+        mixed_anchor, mixed_delta = self._cross(result, round_index, fragment, anchor, island_delta, deadline)
+        result.seconds["cross"] = time.monotonic() - crossing
+        result.anchor = fragment.outer.step(mixed_anchor, mixed_delta)
+
+    def _cross(self, result: ExchangeResult, round_index: int, fragment: Fragment, anchor: torch.Tensor,
+               island_delta: torch.Tensor, deadline: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send this learner's slice of its island's (anchor, mean pseudo-gradient), read every other
+        learner's, and mix the islands' (`mean_over_islands`). A slice of this learner's own island that
+        does not arrive is stood in for by this learner's own values of it; one of another island's
+        leaves that island out of the slice's mean."""
+        me, slices = self.slot.index, self.slices[fragment.number]
+
+        def island_values(learner: int) -> dict[str, torch.Tensor]:
+            start, end = slices[learner]
+            return {"anchor": anchor[start:end], "delta": island_delta[start:end]}
+
+        exact = island_values(me)
+        published = self._commit(round_index, self._message_key(me, round_index, crossing=True),
+                                 "inter" if "inter" in self.links else "intra", exact,
+                                 self._slice_positions(fragment, me), self._expected(me, round_index, crossing=True),
+                                 residuals=CROSSING_RESIDUALS)
+        result.bytes_sent += published.bytes_written
+        result.crossing_residual = published.residual
+        heard = {me: exact if self._mixes_own_exact() else published.sent}
+        for peer in self.mode.crossing_sources(me, self.links):
+            receipt = self._receive(peer, round_index, self._message_key(peer, round_index, crossing=True),
+                                    self._expected(peer, round_index, crossing=True),
+                                    self._slice_positions(fragment, peer), deadline, own=island_values(peer))
+            if self._book(result, receipt, round_index, crossing=True):
+                heard[peer] = receipt.message.fields
+            elif self.links[peer] == "intra":
+                heard[peer] = island_values(peer)
+        islands = [(island_tokens(self.spec, members),
+                    [(heard[m]["anchor"], heard[m]["delta"]) if m in heard else None for m in members])
+                   for members in islands_of(self.spec)]
+        return mean_over_islands(int(fragment.index.numel()), islands)
+
+    def _book(self, result: ExchangeResult, receipt: Receipt, round_index: int, crossing: bool = False) -> bool:
+        """Count what reading a peer's message moved; record it as missed if it brought none. Returns
+        whether it brought one."""
+        watchdog.progress()
+        result.bytes_read[receipt.link] += receipt.bytes_read
+        result.corrupt_reads += receipt.corrupt
+        if receipt.message is None:
+            result.missed.append({"round": round_index, "peer": receipt.peer, "reason": receipt.reason,
+                                  **({"crossing": True} if crossing else {})})
+        return receipt.message is not None
+
+    def _mixes_own_exact(self) -> bool:
+        return self.spec.sync.transport.mix_own_exact and not self.codec.lossless
+
+    def _crosses(self, round_index: int) -> bool:
+        """Whether this round's exchange crosses islands in a second phase (hierarchical mode)."""
+        return self.hierarchical and self.mode.crosses(round_index, len(self.fragments),
+                                                       self.spec.sync.inter_island_every)
+
+    def _slice_positions(self, fragment: Fragment, learner: int) -> torch.Tensor:
+        """Positions in the flat vector of the slice of `fragment` that `learner` carries across islands."""
+        start, end = self.slices[fragment.number][learner]
+        return fragment.index[start:end]
 
     def _missed(self, peer: int, round_index: int, reason: str, **details) -> Receipt:
         emit("missed_exchange", learner=self.slot.index, peer=peer, round=round_index, reason=reason)
@@ -396,14 +576,15 @@ class Exchanger:
         """A message travels as inter-island traffic when any of the round's peers is on another island."""
         return "inter" if any(self.links[p] == "inter" for p in self._peers(round_index)) else "intra"
 
-    def _message_key(self, learner: int, round_index: int) -> str:
-        fragments = len(self.fragments)
-        return layout.message(learner, round_index, fragment_of_round(round_index, fragments) if fragments > 1 else None)
+    def _job_class(self, round_index: int) -> str:
+        """The exchange's priority on the transport: inter-island when any of its messages crosses islands."""
+        return "inter" if self._crosses(round_index) and "inter" in self.links else self._link_class(round_index)
 
-    def _expected(self, learner: int, round_index: int) -> ExpectedMessage:
+    def _message_key(self, learner: int, round_index: int, crossing: bool = False) -> str:
+        return message_key(len(self.fragments), learner, round_index, crossing)
+
+    def _expected(self, learner: int, round_index: int, crossing: bool = False) -> ExpectedMessage:
         """What learner `learner`'s message of a round must be, by this learner's own plan."""
         fragment = self.fragment_of(round_index)
-        return ExpectedMessage(learner=learner, round=round_index, fragment=fragment.number,
-                               tokens=self.spec.learners[learner].tokens_per_round(),
-                               numel=int(fragment.index.numel()), fields=self.mode.fields,
-                               anchor_from_initial=not self.codec.lossless)
+        start, end = self.slices[fragment.number][learner] if crossing else (0, int(fragment.index.numel()))
+        return expected_message(self.spec, learner, round_index, end - start, crossing)

@@ -57,8 +57,9 @@ class ExpectedMessage:
     fragment: int
     tokens: int
     numel: int  # elements of the fragment
-    fields: tuple[str, ...]  # ("anchor", "delta") for butterfly pairs, ("delta",) for all-reduce
+    fields: tuple[str, ...]  # ("anchor", "delta") for butterfly pairs and crossings, ("delta",) for means of Δ
     anchor_from_initial: bool  # compressed anchors travel as their difference from the initial weights
+    slice_index: int | None = None  # a hierarchical crossing's message: the sender's slice of its island's fragment
 
     @property
     def max_bytes(self) -> int:
@@ -66,8 +67,10 @@ class ExpectedMessage:
         return 64 * 1024 + 8 * self.numel * len(self.fields)
 
     def metadata(self) -> dict:
-        return {"learner": self.learner, "round": self.round, "fragment": self.fragment, "tokens": self.tokens,
+        """What the message's commit says besides its tensors: its sender writes exactly this."""
+        meta = {"learner": self.learner, "round": self.round, "fragment": self.fragment, "tokens": self.tokens,
                 "anchor_from_initial": self.anchor_from_initial}
+        return meta if self.slice_index is None else {**meta, "slice": self.slice_index}
 
 
 def _sparsified(name: str) -> bool:

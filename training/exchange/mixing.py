@@ -19,6 +19,15 @@ where n are the tokens each processed this round, and take an outer optimizer st
 Δ. Averaging anchors, not only pseudo-gradients, is what keeps learners together: with pseudo-gradients
 alone, partners that step from their own anchors drift apart round after round. Anchors are averaged
 with equal weights so both partners land on the same θ.
+
+Hierarchical mixing. Every learner keeps one global anchor θ_g and one outer optimizer state per
+fragment, the same on every learner of every island. Each round, a learner's pseudo-gradient
+Δ_i = θ_g − x_i goes to the other learners of its island, and each takes the island's
+token-weighted mean Δ_I; its weights become θ_g − Δ_I, the island's exact mean of weights (all
+share θ_g). In every `inter_island_every`-th exchange of a fragment the islands cross: the island's
+j-th learner carries slice j of (θ_g, Δ_I) (`slice_bounds`) to every other learner, and every
+learner averages the islands' slices (`mean_over_islands`: anchors with equal weights, pseudo-
+gradients by the islands' tokens) and takes one outer step from there, its new θ_g.
 """
 
 from __future__ import annotations
@@ -41,11 +50,12 @@ def butterfly_partner(index: int, round_index: int, learners: int) -> int | None
     return partner if partner < learners else None
 
 
-def crosses_islands_in(exchange: int, learners: int, inter_island_every: int) -> bool:
-    """Whether pairs on different islands exchange at this exchange count: only in every
-    `inter_island_every`-th cycle of stages (the last of each group), so the slow link is crossed
-    that many times less often while pairs within an island exchange every cycle."""
-    return (exchange // stage_count(learners)) % inter_island_every == inter_island_every - 1
+def crosses_islands_in(exchange: int, inter_island_every: int, cycle: int = 1) -> bool:
+    """Whether learners on different islands exchange at this exchange count of a fragment: only in
+    every `inter_island_every`-th cycle of `cycle` exchanges (the last of each group; a butterfly's
+    cycle is its stages), so the slow link is crossed that many times less often while learners
+    within an island exchange every time."""
+    return (exchange // cycle) % inter_island_every == inter_island_every - 1
 
 
 def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -55,6 +65,39 @@ def weighted_mean(tensors: list[torch.Tensor], weights: list[float]) -> torch.Te
     for tensor, weight in zip(tensors, weights):
         out.add_(tensor, alpha=weight / total)
     return out
+
+
+def slice_bounds(numel: int, parts: int, part: int) -> tuple[int, int]:
+    """Where part `part` of `parts` lies in a vector of `numel` elements, as `torch.tensor_split` cuts
+    it (the first numel mod parts parts one element longer), computed without the vector."""
+    size, longer = divmod(numel, parts)
+    start = part * size + min(part, longer)
+    return start, start + size + (part < longer)
+
+
+def mean_over_islands(numel: int, islands: list[tuple[float, list[tuple[torch.Tensor, torch.Tensor] | None]]]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hierarchical crossing's mix of a fragment of `numel` elements. `islands`, in island order:
+    (the island's tokens, its slices in order as `slice_bounds` cuts the fragment into as many parts,
+    each (anchor, pseudo-gradient) or None when it did not arrive). Element by element, the anchor is
+    the equal-weight mean and the pseudo-gradient the token-weighted mean over the islands whose slice
+    holding it arrived, summed in island order, so every learner that heard the same slices gets the
+    same bits. Islands may cut the fragment into different numbers of slices."""
+    cuts = sorted({0, numel} | {bound for _, parts in islands for part in range(len(parts))
+                                for bound in slice_bounds(numel, len(parts), part)})
+    anchor, delta = torch.empty(numel), torch.empty(numel)
+    for low, high in zip(cuts, cuts[1:]):
+        present = []
+        for tokens, parts in islands:
+            for part, values in enumerate(parts):
+                start, end = slice_bounds(numel, len(parts), part)
+                if values is not None and start <= low < end:
+                    present.append((values[0][low - start:high - start], values[1][low - start:high - start], tokens))
+        if not present:
+            raise ValueError(f"elements {low} to {high} of the fragment: no island's slice holds them")
+        anchor[low:high] = weighted_mean([p[0] for p in present], [1.0] * len(present))
+        delta[low:high] = weighted_mean([p[1] for p in present], [p[2] for p in present])
+    return anchor, delta
 
 
 def mix_pair(anchor: torch.Tensor, delta: torch.Tensor, tokens: float,

@@ -112,8 +112,14 @@ class OuterOptimizer:
         groups = scalars.get("groups", []) if isinstance(scalars, dict) else None
         if not isinstance(params, dict) or not isinstance(groups, list) or len(groups) > len(self.optimizer.param_groups):
             raise StateRejected("outer optimizer state: scalars are not {params: {...}, groups: [...]}")
-        if not ours and not groups:
-            return  # a checkpoint from before the first outer step
+        for saved in groups:
+            if not isinstance(saved, dict) or set(saved) - {"step"} or \
+                    not all(type(v) is int and 0 <= v <= MAX_OUTER_STEPS for v in saved.values()):
+                raise StateRejected("outer optimizer state: a param group may only restore its step count")
+        if not ours and not params and not any(groups):
+            # A checkpoint from before the first outer step (hierarchical rounds that do not cross islands
+            # leave the optimizer so): the fresh optimizer is that state, which built state is not.
+            return
         self._materialise_state(self.optimizer)
         slots = {f"{i}.{path}": slot for i, p in enumerate(self.params)
                  for path, slot in _slots(self.optimizer.state.get(p, {}))}
@@ -123,10 +129,6 @@ class OuterOptimizer:
                 raise StateRejected(f"outer optimizer state: {short(key)} is not an entry of a "
                                     f"{type(self.optimizer).__name__}'s state")
             slot.check(key, value)
-        for saved in groups:
-            if not isinstance(saved, dict) or set(saved) - {"step"} or \
-                    not all(type(v) is int and 0 <= v <= MAX_OUTER_STEPS for v in saved.values()):
-                raise StateRejected("outer optimizer state: a param group may only restore its step count")
         for slot, _, value in updates:
             slot.assign(value)
         for group, saved in zip(self.optimizer.param_groups, groups):

@@ -91,8 +91,9 @@ class LearnerState:
         exchanger_tensors, outer_scalars = self.exchanger.state_dict()
         weights = flat_parameters(self.model).cpu() if weights is None else weights
         tensors = {"weights": weights, **exchanger_tensors}
-        # With one fragment and nothing in flight, the anchor is the weights the round ended on.
-        if len(self.exchanger.fragments) > 1 or pending is not None:
+        # With one fragment and nothing in flight, the anchor is the weights the round ended on (unless the
+        # sync mode moves the weights elsewhere: hierarchical rounds that do not cross islands).
+        if len(self.exchanger.fragments) > 1 or pending is not None or not self.exchanger.mode.weights_are_anchor:
             tensors["anchors"] = self.exchanger.anchors()
         for i, p in enumerate(self.model.parameters()):
             for name, value in self.inner.state.get(p, {}).items():

@@ -2,7 +2,8 @@
 
 Given a run spec, each island's seconds per inner step and the inter-island link's rate, the plan
 replays every round of every learner: its inner steps, the fragment the round exchanges and the
-peers it exchanges with (`training.exchange.fragments`, the sync mode's `peers`), the exact size of each
+peers it exchanges with (`training.exchange.fragments`, the sync mode's `peers`; in hierarchical mode,
+in rounds that cross islands, then every other learner's slice), the exact size of each
 message (the run's codec encodes a message of the fragment's size), the wait for peers' messages
 and the overlap rule (a round's exchange is applied `tau` inner steps into the next round, the
 last round's at once). Transfers across the link queue on it, one direction at a time, in the
@@ -24,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import save as save_safetensors
 
-from infra import layout
 from infra.authority import placeholder_signature
 from infra.spec import RunSpec
 from infra.store import ObjectRef, json_document
@@ -32,7 +32,7 @@ from training.exchange.compression import Codec
 from training.exchange.fragments import assign_fragments, fragment_of_round
 from training.model.registry import build_model
 from training.planning.windows import Stretch, WindowedClock, windows_plan
-from training.exchange.exchanger import SYNC_MODES
+from training.exchange.exchanger import SYNC_MODES, Hierarchical, crossing_slices, expected_message, message_key
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
 # Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
@@ -54,16 +54,17 @@ def fragment_sizes(spec: RunSpec) -> list[int]:
     return sizes
 
 
-def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0) -> int:
-    """Bytes a learner reads for one peer's message of a fragment of `numel` elements: the tensors
-    as the run's codec encodes them, and the JSON commit that points at them."""
+def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0, crossing: bool = False) -> int:
+    """Bytes a learner reads for one peer's message of a fragment of `numel` elements (`crossing`: a
+    hierarchical crossing's message, of a slice of `numel` elements): the tensors as the run's codec
+    encodes them, and the JSON commit that points at them."""
     settings = spec.sync.transport
     codec = Codec(settings.compression, settings.scale_chunk, settings.topk)
-    fields = SYNC_MODES[spec.sync.mode].fields
+    expected = expected_message(spec, learner, round_index, numel, crossing)
 
     def tensors(n: int) -> int:
         payload: dict[str, torch.Tensor] = {}
-        for name in fields:
+        for name in expected.fields:
             # As `Exchanger.publish` encodes them: anchors are never sparsified.
             payload.update({name: torch.zeros(n)} if codec.lossless else
                            codec.encode(name, torch.zeros(n), sparsify=name != "anchor"))
@@ -74,14 +75,20 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
     else:  # too large to encode here: affine in the elements, up to a chunk's padding
         small, large = (tensors(n) for n in _FIT_SIZES)
         nbytes = round(small + (large - small) / (_FIT_SIZES[1] - _FIT_SIZES[0]) * (numel - _FIT_SIZES[0]))
-    fragment = fragment_of_round(round_index, settings.fragments)
-    key = layout.message(learner, round_index, fragment if settings.fragments > 1 else None)
-    commit = {"tensors": ObjectRef(f"{key}.safetensors", "0" * 64, nbytes).to_json(), "learner": learner,
-              "round": round_index, "tokens": spec.learners[learner].tokens_per_round(),
-              "fragment": fragment,
-              "anchor_from_initial": not codec.lossless}
+    key = message_key(settings.fragments, learner, round_index, crossing)
+    commit = {"tensors": ObjectRef(f"{key}.safetensors", "0" * 64, nbytes).to_json(), **expected.metadata()}
     signature = None if spec.signing is None else placeholder_signature(spec.learners[learner].island.name)
     return nbytes + len(json_document(commit, signature=signature))
+
+
+def crossing_message_bytes(spec: RunSpec, sizes: list[int]) -> list[list[int]]:
+    """Per fragment (of `sizes` elements), per learner: the bytes of its crossing's message in
+    hierarchical mode (its slice of its island's fragment); none in the other modes."""
+    if spec.sync.mode != "hierarchical":
+        return []
+    return [[message_bytes(spec, end - start, learner, round_index=fragment, crossing=True)
+             for learner, (start, end) in enumerate(slices)]
+            for fragment, slices in enumerate(crossing_slices(spec, sizes))]
 
 
 def message_requests(spec: RunSpec, nbytes: int) -> int:
@@ -109,18 +116,44 @@ class LearnerPlan:
 
 
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
-           sizes_bytes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None) -> list[LearnerPlan]:
+           sizes_bytes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None,
+           crossing_bytes: list[list[int]] | None = None) -> list[LearnerPlan]:
     """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
     windows, each computes only inside its island's (`training.planning.windows`)."""
     slots = spec.learners
     settings, mode = spec.sync.transport, SYNC_MODES[spec.sync.mode]
     links_of = [["intra" if p.island.name == s.island.name else "inter" for p in slots] for s in slots]
     sizes_bytes = sizes_bytes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
+    if isinstance(mode, Hierarchical):
+        crossing_bytes = crossing_bytes or crossing_message_bytes(spec, fragment_sizes(spec))
     plans = [LearnerPlan(s.index, s.island.name) for s in slots]
     windows = [WindowedClock(spec, plan) for plan in plans]
     clock = [0.0] * len(slots)
     pending: list[float | None] = [None] * len(slots)  # when the previous round's exchange is complete
     busy_until: dict[tuple[str, str], float] = {}  # the link, each direction
+
+    def read(ready: list[float], published: list[float], sources: list[list[int]], size_of: list[int]) -> None:
+        """Each learner writes its message (`size_of[learner]` bytes, committed at `published`) and reads its
+        sources', one after another from when it is `ready`; the link carries one transfer a direction at a time."""
+        transfers = sorted(((published[me], me, peer) for me in range(len(slots)) for peer in sources[me]),
+                           key=lambda item: (max(item[0], published[item[2]]), item[1]))
+        for _, me, peer in transfers:
+            nbytes = size_of[peer]
+            start = max(ready[me], published[peer])
+            if links_of[me][peer] == "inter":
+                direction = (slots[peer].island.name, slots[me].island.name)
+                start = max(start, busy_until.get(direction, 0.0))
+                busy_until[direction] = start + nbytes * 8 / link_bps
+                ready[me] = busy_until[direction]
+            else:
+                ready[me] = start
+            plans[me].bytes_read[links_of[me][peer]] += nbytes
+            plans[me].requests += message_requests(spec, nbytes) - 1
+            plans[me].polls += 1
+        for plan in plans:
+            plan.bytes_written += size_of[plan.learner]
+            plan.requests += message_requests(spec, size_of[plan.learner])
+
     for t in range(spec.sync.rounds):
         sent = []
         for s, plan in zip(slots, plans):
@@ -134,27 +167,14 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             plan.blocked_s += blocked
             sent.append(clock[s.index])
         fragment = fragment_of_round(t, settings.fragments)
-        nbytes = sizes_bytes[fragment]
         ready = list(sent)
-        transfers = sorted(((sent[s.index], s.index, peer) for s in slots
-                            for peer in mode.peers(s.index, t, settings.fragments, links_of[s.index],
-                                                   spec.sync.inter_island_every)),
-                           key=lambda item: (max(item[0], sent[item[2]]), item[1]))
-        for _, me, peer in transfers:
-            start = max(ready[me], sent[peer])
-            if links_of[me][peer] == "inter":
-                direction = (slots[peer].island.name, slots[me].island.name)
-                start = max(start, busy_until.get(direction, 0.0))
-                busy_until[direction] = start + nbytes * 8 / link_bps
-                ready[me] = busy_until[direction]
-            else:
-                ready[me] = start
-            plans[me].bytes_read[links_of[me][peer]] += nbytes
-            plans[me].requests += message_requests(spec, nbytes) - 1
-            plans[me].polls += 1
+        read(ready, sent, [mode.peers(s.index, t, settings.fragments, links_of[s.index], spec.sync.inter_island_every)
+                           for s in slots], [sizes_bytes[fragment]] * len(slots))
+        if isinstance(mode, Hierarchical) and mode.crosses(t, settings.fragments, spec.sync.inter_island_every):
+            # Each learner commits its slice once its island's mean is taken, then reads every other one.
+            read(ready, list(ready), [mode.crossing_sources(s.index, links_of[s.index]) for s in slots],
+                 crossing_bytes[fragment])
         for s, plan in zip(slots, plans):
-            plan.bytes_written += nbytes
-            plan.requests += message_requests(spec, nbytes)
             if settings.tau == 0 or t == spec.sync.rounds - 1:
                 wait = max(0.0, ready[s.index] - clock[s.index])
                 clock[s.index] += wait
@@ -177,14 +197,17 @@ def steady_utilisation(plans: list[LearnerPlan]) -> float:
 
 
 def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float,
-                  sizes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None) -> float | None:
+                  sizes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None,
+                  crossing_bytes: list[list[int]] | None = None) -> float | None:
     """The slowest link (bit/s) at which the run keeps `goal` utilisation; None when even an
     unlimited link does not (the islands wait on each other's compute, or on their own rounds'
-    overhead). `sizes`: each fragment's message bytes, when the caller has them."""
+    overhead). `sizes`: each fragment's message bytes, and `crossing_bytes` each crossing's
+    (`crossing_message_bytes`), when the caller has them."""
     sizes = sizes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
+    crossing_bytes = crossing_bytes or crossing_message_bytes(spec, fragment_sizes(spec))
 
     def utilisation(link_bps: float) -> float:
-        return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s))
+        return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossing_bytes))
 
     if utilisation(1e18) < goal:
         return None
@@ -206,7 +229,8 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
         raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
     fragments = fragment_sizes(spec)
     sizes = [message_bytes(spec, n) for n in fragments]
-    plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s)
+    crossing_bytes = crossing_message_bytes(spec, fragments)
+    plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossing_bytes)
     islands = {}
     for island in spec.islands:
         mine = [p for p in plans if p.island == island.name]
@@ -228,7 +252,8 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
         "wall_s": startup_s + max(p.round_ends[-1] for p in plans) + teardown_s,
         "overheads": {"startup_s": startup_s, "round_overhead_s": round_overhead_s or {}, "teardown_s": teardown_s},
         "windows": windows_plan(spec, plans),
-        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes, round_overhead_s)
+        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes, round_overhead_s,
+                                                                   crossing_bytes)
                                       for goal in UTILISATION_GOALS},
     }
 
