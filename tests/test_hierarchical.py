@@ -1,0 +1,242 @@
+"""sync.mode hierarchical: an exact mean inside each island every round, a crossing between islands in
+every inter_island_every-th exchange of a fragment, and one anchor and outer optimizer state shared by
+every learner. Exchangers on the real transport and a local store, four learners in one process (each
+transport on its own thread); learner processes for the run at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infra import layout
+from infra.spec import SpecError, parse_spec
+from infra.store import ObjectStore
+from tests.learners import assert_restart_continues_exactly
+from training.exchange.exchanger import Exchanger, crossing_slices
+from training.exchange.mixing import mean_over_islands, slice_bounds
+from training.exchange.transport import Transport
+from training.learner.ledger import read_summaries
+from training.model.params import flat_parameters
+from training.model.registry import build_model
+from training.planning.planner import fragment_sizes, message_bytes, plan_run, replay
+from training.stages import train_learners
+
+PLAIN_MEAN = {"name": "nesterov", "lr": 1.0, "momentum": 0.0}  # an outer step to the mixed weights
+NESTEROV = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
+SHAMPOO = {"name": "shampoo", "lr": 0.7, "momentum": 0.5, "shampoo": {"start_preconditioning_step": 1}}
+
+
+def spec_of(tmp_path, outer=PLAIN_MEAN, every=2, fragments=1, compression="none", mode="hierarchical", timeout=10):
+    """Two islands of two learners whose rounds weigh differently (batch 2 and 4)."""
+    return parse_spec({
+        "name": "hierarchical",
+        "islands": [{"name": f"island-{i}", "learners": 2, "batch_size": 2 * (i + 1), "seq_len": 8, "inner_steps": 2}
+                    for i in range(2)],
+        "model": {"layers": 2, "width": 8, "heads": 2},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]},
+        "sync": {"mode": mode, "rounds": 4, "partner_timeout_s": timeout, "outer": outer,
+                 **({"inter_island_every": every} if mode != "allreduce" else {}),
+                 "transport": {"fragments": fragments, "compression": compression}},
+        "store": {"url": str(tmp_path / "store")},
+    })
+
+
+class Group:
+    """Every learner's exchanger, each with its own transport on one local store, and its weights."""
+
+    def __init__(self, spec, tmp_path, learners=None, skipped=lambda peer, round_index: False):
+        model = build_model(spec)
+        self.initial = flat_parameters(model)
+        store = ObjectStore(str(tmp_path / "store"))
+        self.transports = [Transport(store) for _ in spec.learners]
+        self.exchangers = [Exchanger(spec, slot, transport, model, self.initial, skipped=skipped)
+                           for slot, transport in zip(spec.learners, self.transports)]
+        self.weights = [self.initial.clone() for _ in spec.learners]
+        self.learners = range(len(spec.learners)) if learners is None else learners
+
+    def train(self, round_index: int) -> None:
+        """Local progress: each learner's own drift."""
+        for i in self.learners:
+            drift = torch.randn(self.initial.shape, generator=torch.Generator().manual_seed(100 * round_index + i))
+            self.weights[i] = self.weights[i] + 0.01 * drift
+
+    def exchange(self, round_index: int) -> dict:
+        """Every learner's exchange of the round (tau 0: applied at once); returns their results."""
+        index = self.exchangers[0].fragment_of(round_index).index
+        sent = {i: self.exchangers[i].start(round_index, self.weights[i][index].clone()) for i in self.learners}
+        results = {}
+        for i in self.learners:
+            new, results[i] = self.exchangers[i].apply(sent[i], self.weights[i][index].clone())
+            self.weights[i] = self.weights[i].clone()
+            self.weights[i][index] = new
+        return results
+
+    def outer_state(self, i: int) -> dict[str, torch.Tensor]:
+        tensors, _ = self.exchangers[i].state_dict()
+        return {k: v for k, v in tensors.items() if not k.startswith("residual.")}
+
+
+def token_weighted(weights, tokens):
+    return sum(t * w for t, w in zip(tokens, weights)) / sum(tokens)
+
+
+def assert_same(tensors):
+    assert all(torch.equal(tensors[0], t) for t in tensors[1:])
+
+
+def assert_same_state(states):
+    assert all(s.keys() == states[0].keys() and all(torch.equal(s[k], states[0][k]) for k in s) for s in states[1:])
+
+
+def test_a_round_that_does_not_cross_gives_each_island_its_exact_mean_and_leaves_the_anchor(tmp_path):
+    spec = spec_of(tmp_path, outer=NESTEROV)
+    group = Group(spec, tmp_path)
+    tokens = [slot.tokens_per_round() for slot in spec.learners]
+    assert tokens[0] != tokens[2]
+    for t in range(3):  # rounds 0 and 2 stay inside the islands, round 1 crosses (inter_island_every 2)
+        group.train(t)
+        before = [group.weights[i].clone() for i in range(4)]
+        anchors = [x.anchors() for x in group.exchangers]
+        outer = [group.outer_state(i) for i in range(4)]
+        results = group.exchange(t)
+        assert all(r.missed == [] for r in results.values())
+        if t == 1:
+            assert_same(group.weights)
+            assert_same([x.anchors() for x in group.exchangers])
+            assert not torch.equal(group.exchangers[0].anchors(), anchors[0])
+            continue
+        for island in ((0, 1), (2, 3)):
+            assert_same([group.weights[i] for i in island])
+            want = token_weighted([before[i] for i in island], [tokens[i] for i in island])
+            torch.testing.assert_close(group.weights[island[0]], want, rtol=0, atol=1e-6)
+        assert not torch.allclose(group.weights[0], group.weights[2])
+        for i in range(4):  # no outer step, so nobody stepped alone
+            assert torch.equal(group.exchangers[i].anchors(), anchors[i])
+            assert_same_state([outer[i], group.outer_state(i)])
+        assert all(r.bytes_read["inter"] == 0 for r in results.values())
+
+
+def test_a_crossing_takes_one_outer_step_from_the_islands_means_to_the_global_mean(tmp_path):
+    spec = spec_of(tmp_path, every=1, fragments=2)
+    group = Group(spec, tmp_path)
+    tokens = [slot.tokens_per_round() for slot in spec.learners]
+    for t in range(2):  # each fragment once: both cross
+        group.train(t)
+        before = [group.weights[i].clone() for i in range(4)]
+        group.exchange(t)
+        index = group.exchangers[0].fragment_of(t).index
+        # lr 1, no momentum: the step from the mean anchor along the mean pseudo-gradient lands on the
+        # islands' token-weighted mean, which is the mean over all four learners.
+        want = token_weighted([b[index] for b in before], tokens)
+        torch.testing.assert_close(group.weights[0][index], want, rtol=0, atol=1e-6)
+        assert_same([w[index] for w in group.weights])
+        assert_same([x.fragment_of(t).anchor for x in group.exchangers])
+
+
+@pytest.mark.parametrize("outer, compression", [(SHAMPOO, "none"), (NESTEROV, "int4")])
+def test_every_learner_of_every_island_holds_the_same_anchor_and_outer_state(tmp_path, outer, compression):
+    spec = spec_of(tmp_path, outer=outer, every=2, fragments=2, compression=compression)
+    group = Group(spec, tmp_path)
+    for t in range(4):
+        group.train(t)
+        group.exchange(t)
+        assert_same([x.anchors() for x in group.exchangers])
+        states = [group.outer_state(i) for i in range(4)]
+        assert_same_state(states)
+    assert any(k.startswith("fragment-0.outer.") for k in states[0]), "the outer optimizers have stepped"
+    if compression != "none":  # each learner's residual of its own slice of its island's values
+        residuals = [x.feedback.residual["crossing.delta"] for x in group.exchangers]
+        assert all(bool(r.any()) for r in residuals) and not torch.equal(residuals[0], residuals[1])
+
+
+def test_inter_island_bytes_flow_only_in_crossings_and_are_the_planned_bytes(tmp_path):
+    spec = spec_of(tmp_path, every=2, fragments=2, compression="int8")
+    group = Group(spec, tmp_path)
+    counted = [{"inter": 0, "intra": 0, "written": 0} for _ in range(4)]
+    for t in range(spec.sync.rounds):  # fragment 0 crosses in round 2, fragment 1 in round 3
+        group.train(t)
+        for i, result in group.exchange(t).items():
+            assert (result.bytes_read["inter"] > 0) == (t >= 2)
+            counted[i]["inter"] += result.bytes_read["inter"]
+            counted[i]["intra"] += result.bytes_read["intra"]
+            counted[i]["written"] += result.bytes_sent
+    plans = replay(spec, {"island-0": 0.1, "island-1": 0.2}, 1e9)
+    for plan, count, transport in zip(plans, counted, group.transports):
+        assert plan.bytes_read == {"inter": count["inter"], "intra": count["intra"]}
+        assert plan.bytes_written == count["written"]
+        assert plan.requests == sum(c.requests for c in transport.counters.values())
+    # A crossing brings each learner about one fragment's anchor and pseudo-gradient from the other
+    # island, as a butterfly pair's message does, in slices with a commit each (fragment 0's and 1's).
+    butterfly = spec_of(tmp_path, mode="butterfly", fragments=2, compression="int8")
+    pair_messages = sum(message_bytes(butterfly, n) for n in fragment_sizes(butterfly))
+    assert pair_messages <= plans[0].bytes_read["inter"] <= pair_messages + 2048
+
+
+def test_a_miss_leaves_the_peer_out_and_is_recorded(tmp_path):
+    """Learner 3's restart skipped the round: its island partner's mean is its own, and the other island
+    leaves island 1's second slice out of the crossing's mean; learners 0 and 1 still agree."""
+    spec = spec_of(tmp_path, every=1)
+    group = Group(spec, tmp_path, learners=[0, 1, 2], skipped=lambda peer, round_index: peer == 3)
+    group.train(0)
+    results = group.exchange(0)
+    reason = "skipped by the peer's restart"
+    assert results[0].missed == [{"round": 0, "peer": 3, "reason": reason, "crossing": True}]
+    assert results[2].missed == [{"round": 0, "peer": 3, "reason": reason},
+                                 {"round": 0, "peer": 3, "reason": reason, "crossing": True}]
+    assert torch.equal(group.weights[0], group.weights[1]) and torch.equal(group.exchangers[0].anchors(),
+                                                                          group.exchangers[1].anchors())
+    assert not torch.equal(group.weights[0], group.weights[2])
+    assert all(bool(torch.isfinite(w).all()) for w in group.weights[:3])
+
+
+def test_slices_are_tensor_split_s_and_the_crossing_mean_handles_other_slicings_and_misses():
+    for numel, parts in [(10, 3), (7, 7), (1000, 8), (5, 2)]:
+        cut = torch.arange(numel).tensor_split(parts)
+        assert [slice_bounds(numel, parts, j) for j in range(parts)] == \
+            [(int(c[0]), int(c[-1]) + 1) for c in cut]
+    anchors = [torch.randn(10), torch.randn(10)]
+    deltas = [torch.randn(10), torch.randn(10)]
+    split = [(a.tensor_split(n), d.tensor_split(n)) for a, d, n in zip(anchors, deltas, (2, 3))]
+    islands = [(100, [(a, d) for a, d in zip(*split[0])]), (300, [(a, d) for a, d in zip(*split[1])])]
+    anchor, delta = mean_over_islands(10, islands)
+    torch.testing.assert_close(anchor, (anchors[0] + anchors[1]) / 2)
+    torch.testing.assert_close(delta, 0.25 * deltas[0] + 0.75 * deltas[1])
+    islands[1][1][1] = None  # island 1's second slice (elements 4 to 6) did not arrive
+    anchor, delta = mean_over_islands(10, islands)
+    torch.testing.assert_close(anchor[4:7], anchors[0][4:7])
+    torch.testing.assert_close(delta[4:7], deltas[0][4:7])
+    torch.testing.assert_close(anchor[7:], (anchors[0][7:] + anchors[1][7:]) / 2)
+
+
+def test_the_spec_takes_inter_island_every_and_refuses_a_fragment_too_small_to_slice(tmp_path):
+    spec = spec_of(tmp_path, every=3)
+    assert spec.sync.mode == "hierarchical" and spec.sync.inter_island_every == 3
+    with pytest.raises(ValueError, match="fragment 0 has 1 parameters, fewer than island island-0's 2 learners"):
+        crossing_slices(spec, [1, 100])
+    raw = spec.model_dump(mode="json")
+    raw["sync"]["mode"] = "allreduce"
+    with pytest.raises(SpecError, match="inter_island_every"):
+        parse_spec(raw)
+
+
+def test_a_restarted_learner_continues_exactly(two_learner_run):
+    # Round 2 crosses (inter_island_every 3): rounds 0 and 1 end with weights apart from the anchor.
+    spec, store = two_learner_run("hierarchical", layers=1, inner_steps=2, rounds=4, partner_timeout_s=0.3,
+                                  mode="hierarchical", inter_island_every=3, outer=SHAMPOO)
+    assert_restart_continues_exactly(spec, store)
+
+
+@pytest.mark.integration
+def test_learner_processes_train_a_hierarchical_run_with_no_miss_and_the_planned_bytes(two_learner_run):
+    spec, store = two_learner_run("hierarchical", layers=2, inner_steps=2, island={"learners": 2}, rounds=4,
+                                  partner_timeout_s=60, mode="hierarchical", inter_island_every=2,
+                                  transport={"fragments": 2, "compression": "int8"})
+    assert all(learner["finished"] for learner in train_learners(spec, "r", relay=lambda line: None))
+    summaries = read_summaries(spec, store)
+    assert [s.missed_exchanges for s in summaries] == [[]] * 4
+    planned = plan_run(spec, {"a": 0.01, "b": 0.01}, 1e18)["exchange_bytes"]
+    assert sum(s.bytes_read_inter for s in summaries) == planned["inter"] > 0
+    assert sum(s.bytes_read_intra for s in summaries) == planned["intra"] > 0
+    # The last round of each fragment crossed: every learner ends on the same anchors.
+    anchors = [store.read_committed(layout.checkpoint(i, 3))[0]["anchors"] for i in range(4)]
+    assert_same(anchors)
