@@ -249,39 +249,58 @@ class MlflowSink(Sink):
 
 
 class WandbSink(Sink):
-    """A W&B run whose id is the run id. Online, every writer joins it in W&B's shared mode (the control
-    plane as the primary writer); with WANDB_MODE=offline each process writes an offline run folder of
-    that id, which `wandb sync` uploads into the one run. Each point is logged with its round as the
-    `round` field, the x axis of every series."""
+    """A W&B run whose id is the run id. Online, every writing process joins it in W&B's shared mode (the
+    control plane as the primary writer); with WANDB_MODE=offline each process writes an offline run
+    folder of that id, which `wandb sync` uploads into the one run. Each point is logged with its round
+    as the `round` field, the x axis of every series. W&B holds one live run of an id per process: the
+    sinks of a process (the islands whose learners it relays) share it."""
+
+    _runs: dict[str, list] = {}  # W&B run id -> [run, sinks using it]
+    _runs_lock = threading.Lock()
 
     def __init__(self, settings: TrackingSpec, project: str, run_id: str, writer: str, primary: bool, **options):
         super().__init__(settings, **options)
         wandb = _import("wandb", "wandb")
+        self.run_id = run_id
+        with self._runs_lock:
+            if run_id not in self._runs:
+                self._runs[run_id] = [self._init(wandb, settings, project, run_id, writer, primary), 0]
+            self._runs[run_id][1] += 1
+            self.run = self._runs[run_id][0]
+
+    @staticmethod
+    def _init(wandb, settings: TrackingSpec, project: str, run_id: str, writer: str, primary: bool):
         offline = os.environ.get("WANDB_MODE") in ("offline", "dryrun")
         server = settings.uri is not None and urlsplit(settings.uri).scheme in ("http", "https")
         folder = None if settings.uri is None or server else Path(settings.uri)
         if folder is not None:
             folder.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(
+        run = wandb.init(
             project=project, id=run_id, name=run_id, dir=folder, resume="allow", reinit="create_new",
             settings=wandb.Settings(mode="offline" if offline else "shared", x_label=writer, x_primary=primary,
                                     console="off", x_disable_stats=True, silent=True,
                                     **({"base_url": settings.uri} if server else {})))
-        self.run.define_metric("round")
-        self.run.define_metric("*", step_metric="round")
+        run.define_metric("round")
+        run.define_metric("*", step_metric="round")
+        return run
 
     def _write(self, points: list[Point]) -> None:
         by_step: dict[int, dict] = {}
         for point in points:
             by_step.setdefault(point.step, {})[point.key] = point.value
-        for step, values in by_step.items():
-            self.run.log({**values, "round": step})
+        with self._runs_lock:
+            for step, values in by_step.items():
+                self.run.log({**values, "round": step})
 
     def _close(self, finished: bool) -> None:
-        self.run.finish()
+        with self._runs_lock:
+            self._runs[self.run_id][1] -= 1
+            if self._runs[self.run_id][1] == 0:
+                del self._runs[self.run_id]
+                self.run.finish()
 
     def link(self) -> TrackerLink:
-        if self.run.url:
+        if not self.run.offline:
             return TrackerLink(self.run.url, f"W&B run {self.run.id}")
         folder = Path(self.run.settings.sync_dir)
         return TrackerLink(folder.resolve().as_uri(), f"W&B offline run {self.run.id}: `wandb sync {folder}` "
@@ -298,19 +317,19 @@ def open_sink(settings: TrackingSpec, spec_name: str, run_id: str, writer: str, 
     return BACKENDS[settings.backend](settings, settings.project_of(spec_name), run_id, writer, **options)
 
 
-_shared: dict[tuple, list] = {}  # (settings, run id) -> [sink, users]
+_shared: dict[tuple, list] = {}  # (settings, run id, writer) -> [sink, users]
 _shared_lock = threading.Lock()
 
 
 @contextmanager
 def shared_sink(settings: TrackingSpec, spec_name: str, run_id: str, writer: str) -> Iterator[Sink | None]:
-    """The process's one sink on the run's tracker run, shared by every learner's relay in it and closed
-    when the last lets go (a tracker that fails then costs its last points, logged as a warning, not the
-    training); None when the spec tracks nothing."""
+    """The process's one sink of `writer` (an island) on the run's tracker run, shared by the relays of
+    the island's learners in it and closed when the last lets go (a tracker that fails then costs its
+    last points, logged as a warning, not the training); None when the spec tracks nothing."""
     if settings.backend == "none":
         yield None
         return
-    key = (settings, run_id)
+    key = (settings, run_id, writer)
     with _shared_lock:
         if key not in _shared:
             _shared[key] = [open_sink(settings, spec_name, run_id, writer), 0]
