@@ -26,10 +26,14 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
-    """Check the store before any work, run the lifecycle, print the result table."""
+    """Check that the islands' ranks fit their accelerators and that the stores answer before any work,
+    run the lifecycle, print the result table."""
+    from training.planning.memory import check_fits
+
     try:
+        check_fits(spec)
         check_stores_reachable(spec)
-    except StoreError as err:
+    except (SpecError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from eval.report import evaluation_table
@@ -165,7 +169,8 @@ def prepare(args: argparse.Namespace) -> int:
 
 
 def plan(args: argparse.Namespace) -> int:
-    """What a run will deliver on a link, before paying for it: per island and for the run."""
+    """What a run will deliver on a link, before paying for it: per island and for the run; first,
+    each island's memory per rank, and a refusal if its ranks would not fit its accelerators."""
     spec = load_spec_or_say_why(args.config, "train" if args.profile_run else "plan")
     if spec is None:
         return 2
@@ -188,6 +193,20 @@ def plan(args: argparse.Namespace) -> int:
         return 2
     if args.figure and not any(island.windows for island in spec.islands):
         print("error: --figure draws capacity windows, and no island has any (islands[].windows)", file=sys.stderr)
+        return 2
+    try:
+        spec = with_device_memory(spec, args.device_memory_gb)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from tasks.planning import memory_markdown
+    from training.planning.memory import memory_plan, refusals
+
+    memory = memory_plan(spec)
+    print(memory_markdown(memory) + "\n")
+    problems = refusals(spec, memory)
+    if problems:
+        print("\n".join(f"error: {problem}" for problem in problems), file=sys.stderr)
         return 2
     overheads = {}
     if args.profile_run:
@@ -221,8 +240,26 @@ def plan(args: argparse.Namespace) -> int:
         Path(args.figure).parent.mkdir(parents=True, exist_ok=True)
         Path(args.figure).write_bytes(windows_timeline(result["windows"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        Path(args.json).write_text(json.dumps({**result, "memory": memory}, indent=2) + "\n")
     return 0
+
+
+def with_device_memory(spec: RunSpec, overrides: list[str]) -> RunSpec:
+    """The spec with `--device-memory-gb` applied: GB for every island, or ISLAND=GB for one."""
+    memory = {island.name: island.device_memory_gb for island in spec.islands}
+    for item in overrides:
+        name, _, value = item.rpartition("=")
+        try:
+            gigabytes = float(value)
+        except ValueError:
+            gigabytes = 0.0
+        if not 0 < gigabytes < float("inf"):
+            raise SpecError(f"--device-memory-gb {item!r}: expected GB or ISLAND=GB, GB a number above 0")
+        if name and name not in memory:
+            raise SpecError(f"--device-memory-gb {item!r}: the spec has no island {name}")
+        memory.update({name: gigabytes} if name else dict.fromkeys(memory, gigabytes))
+    return spec.model_copy(update={"islands": [island.model_copy(update={"device_memory_gb": memory[island.name]})
+                                               for island in spec.islands]})
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -403,6 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                              help="profile with the run's own learners for a few rounds here (its data is prepared "
                                   "in a temporary folder): adds each round's time besides inner steps, start-up and "
                                   "teardown to the plan")
+    plan_parser.add_argument("--device-memory-gb", action="append", default=[], metavar="[ISLAND=]GB",
+                             help="check the islands' ranks against accelerators of this memory (all islands, "
+                                  "or one), in place of islands[].device_memory_gb")
     plan_parser.add_argument("--json", help="write the plan as JSON here")
     plan_parser.add_argument("--figure", metavar="PATH",
                              help="write the timeline of the islands' capacity windows here (PNG)")

@@ -73,9 +73,13 @@ def plan(spec: RunSpec, link_gbps: float = 25.0, step_seconds: dict[str, float] 
     """What a run would deliver on an inter-island link of `link_gbps`, before paying for it:
     utilisation, bytes, wall time, and the link each utilisation goal needs (artifact `plan`); with
     capacity windows, the rounds each window holds and the waits on other islands (`plan-windows`,
-    `plan-timeline`). Islands missing from `step_seconds` are profiled on the worker that runs this flow."""
-    from tasks.planning import publish_plan
+    `plan-timeline`). Islands missing from `step_seconds` are profiled on the worker that runs this flow.
+    First, each island's memory per rank (`plan-memory`): a run whose ranks would not fit is refused."""
+    from tasks.planning import publish_memory, publish_plan
+    from training.planning.memory import refuse_unfit
     from training.planning.planner import complete_step_seconds
+
+    refuse_unfit(spec, publish_memory(spec, "plan-memory"))
 
     given, _ = complete_step_seconds(spec, step_seconds or {})
     return publish_plan(spec, given, link_gbps * 1e9, key="plan",

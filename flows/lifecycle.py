@@ -1,6 +1,6 @@
 """The whole life of an Archipelago run, as one Prefect flow.
 
-spec -> shards -> island training segments (every learner of every island, concurrently)
+spec -> memory check -> shards -> island training segments (every learner of every island, concurrently)
 -> consolidation -> standard baseline (unless `evaluation.baseline` is none) -> evaluation -> report.
 
 Every stage persists its result in the run's store under a cache key made of its inputs, so a
@@ -28,6 +28,7 @@ from infra.stores import open_run
 from tasks.credentials import load_credential_blocks
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
+from tasks.planning import check_memory
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.segments import island_segments, stop_segments
 from tasks.setup import start_run
@@ -42,6 +43,7 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     """`islands_via`: "tasks" runs every learner from this flow's own process; "deployments" runs
     each island's segments as runs of that island's deployment, on the island's own work pool."""
     started = time.monotonic()
+    check_memory(spec)  # a run whose ranks would not fit their accelerators fails here, before any work
     load_credential_blocks(spec)
     run_id = run_id or new_run_id(spec)
     with held_lease(open_run(spec, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),

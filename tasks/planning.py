@@ -11,6 +11,7 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from eval.figures import data_url, windows_timeline
 from infra.spec import RunSpec
 from training.learner.ledger import LearnerSummary
+from training.planning.memory import gigabytes, memory_plan, refuse_unfit, sequences
 from training.planning.windows import WindowsTooShort, rounds_text, without_windows
 from training.planning.planner import plan_run
 
@@ -40,6 +41,64 @@ def plan_markdown(result: dict, measured: dict | None = None) -> str:
                   f"| inter-island exchange bytes | {result['exchange_bytes']['inter']:,} | "
                   f"{measured['inter_island_bytes']:,} |"]
     return "\n".join(lines)
+
+
+# The parts of a rank's memory as `training.planning.memory.rank_memory` names them, in the table's order.
+RESIDENT = ("weights", "gradients", "inner optimizer")
+FORWARD_BACKWARD = ("activations", "gathered layers", "bf16 weight copies")
+
+
+def memory_markdown(memory: dict) -> str:
+    """A memory plan (`training.planning.memory.memory_plan`) as Markdown: per island, a rank's device
+    memory by part and whether it fits; what the other parallelism would need; the host's share."""
+    lines = ["**Memory per rank, GB (10^9 bytes): what stays, plus the largest of what comes and goes "
+             "(forward and backward, the optimizer step, applying an exchange)**", "",
+             "| island | parallelism | processes | sequences per rank | " + " | ".join(RESIDENT + FORWARD_BACKWARD)
+             + " | optimizer step | exchange | peak | device | fits |", "|" + "---|" * 15]
+    notes = []
+    for name, island in memory["islands"].items():
+        rank = island["rank"]
+        passes = rank["transient"]["forward and backward"]
+        cells = [name, rank["parallelism"], str(rank["processes"]), str(rank["rows"]),
+                 *(gigabytes(rank["resident"][part]) for part in RESIDENT),
+                 *(gigabytes(passes[part]) if part in passes else "-" for part in FORWARD_BACKWARD),
+                 *(gigabytes(sum(rank["transient"][phase].values())) if phase in rank["transient"] else "-"
+                   for phase in ("optimizer step", "applying an exchange")),
+                 gigabytes(island["peak_bytes"]),
+                 "-" if island["device_memory_gb"] is None else f"{island['device_memory_gb']:g}",
+                 {None: "not checked", True: "yes", False: "no"}[island["fits"]]]
+        lines.append("| " + " | ".join(cells) + " |")
+        other = island["other_parallelism"]
+        fewest = island["fewest_fsdp_processes"]
+        notes.append(f"- {name}: {other['parallelism']} over {other['processes']} processes would need "
+                     f"{gigabytes(other['peak_bytes'])} GB per rank"
+                     + ("" if fewest is None or not island["fits"] else
+                        f"; fsdp fits {island['device_memory_gb']:g} GB from {fewest['processes']} processes per "
+                        f"learner ({sequences(fewest['rows'])} per rank, {gigabytes(fewest['peak_bytes'])} GB)")
+                     + (f"; to fit, {island['to_fit']}" if island["to_fit"] else "")
+                     + ("" if island["activations_estimated"] else "; activations not estimated for this model kind"))
+    host = dict(memory["host_bytes"])
+    staging = host.pop("checkpoint staging")
+    lines += ["", *notes, "",
+              f"The exchange's state on the host of each learner's rank 0 (not checked): {gigabytes(sum(host.values()))} "
+              "GB (" + ", ".join(f"{part} {gigabytes(nbytes)}" for part, nbytes in host.items() if nbytes)
+              + f"), and {gigabytes(staging)} GB more while a checkpoint is staged."]
+    return "\n".join(lines)
+
+
+def publish_memory(spec: RunSpec, key: str) -> dict:
+    """The memory plan of a spec's islands, as Markdown artifact `key`."""
+    memory = memory_plan(spec)
+    create_markdown_artifact(memory_markdown(memory), key=key, description=f"Memory per rank of {spec.name}'s islands")
+    return memory
+
+
+def check_memory(spec: RunSpec) -> None:
+    """Before any training: refuse a run whose islands set device_memory_gb and would not fit it
+    (`training.planning.memory.MemoryRefused`, naming each island and what would fit), with the memory
+    plan as artifact `memory`."""
+    if any(island.device_memory_gb is not None for island in spec.islands):
+        refuse_unfit(spec, publish_memory(spec, "memory"))
 
 
 def windows_table(rows: list[dict]) -> str:

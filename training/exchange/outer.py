@@ -74,6 +74,11 @@ class OuterOptimizer:
             use_svd=True),
             materialise_state=_init_pytorch_optimizer_state)
 
+    def materialise_state(self) -> None:
+        """Build the optimizer's per-parameter state as its first step does: to be overwritten by a
+        restore, or counted (`training.planning.memory`, on the meta device)."""
+        self._materialise_state(self.optimizer)
+
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [part.view_as(p) for part, p in zip(flat.split(self.sizes), self.params)]
 
@@ -120,7 +125,7 @@ class OuterOptimizer:
             # A checkpoint from before the first outer step (hierarchical rounds that do not cross islands
             # leave the optimizer so): the fresh optimizer is that state, which built state is not.
             return
-        self._materialise_state(self.optimizer)
+        self.materialise_state()
         slots = {f"{i}.{path}": slot for i, p in enumerate(self.params)
                  for path, slot in _slots(self.optimizer.state.get(p, {}))}
         updates = [(slots.get(key), key, value) for key, value in list(ours.items()) + list(params.items())]

@@ -46,6 +46,11 @@ def fragment_sizes(spec: RunSpec) -> list[int]:
     device, so a plan for billions of parameters allocates nothing)."""
     with torch.device("meta"):
         model = build_model(spec)
+    return fragment_sizes_of(model, spec)
+
+
+def fragment_sizes_of(model: torch.nn.Module, spec: RunSpec) -> list[int]:
+    """Elements of each fragment of `model`, dealt as the spec's transport deals them."""
     named = [(name, p.numel()) for name, p in model.named_parameters()]
     owner = assign_fragments(named, model.block_of, spec.sync.transport.fragments, spec.sync.transport.layout)
     sizes = [0] * spec.sync.transport.fragments
