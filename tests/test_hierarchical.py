@@ -18,6 +18,7 @@ from training.exchange.transport import Transport
 from training.learner.ledger import read_summaries
 from training.model.params import flat_parameters
 from training.model.registry import build_model
+from training.planning.memory import host_bytes, model_sizes
 from training.planning.planner import fragment_sizes, message_bytes, plan_run, replay
 from training.stages import train_learners
 
@@ -217,6 +218,14 @@ def test_the_spec_takes_inter_island_every_and_refuses_a_fragment_too_small_to_s
     raw["sync"]["mode"] = "allreduce"
     with pytest.raises(SpecError, match="inter_island_every"):
         parse_spec(raw)
+
+
+def test_the_memory_plan_counts_the_crossing_s_residuals_and_the_anchors_a_checkpoint_keeps(tmp_path):
+    spec = spec_of(tmp_path, compression="int4")
+    host = host_bytes(spec, model_sizes(spec))
+    vector = 4 * sum(fragment_sizes(spec))
+    assert host["error-feedback residual"] == 4 * vector
+    assert host["checkpoint staging"] == (3 + 1) * vector + 4 * vector
 
 
 def test_a_restarted_learner_continues_exactly(two_learner_run):
