@@ -234,7 +234,8 @@ def gathered_layer_bytes(sizes: ModelSizes) -> int:
 
 
 def sharded(nbytes: int, processes: int) -> int:
-    """A rank's share of state sharded over `processes` (FSDP2 pads each parameter to a multiple)."""
+    """A rank's share of state sharded over `processes`, rounded up (FSDP2's padding of each parameter's
+    rows to a multiple of `processes` is left out: a fraction of a percent for the models here)."""
     return -(-nbytes // processes)
 
 
