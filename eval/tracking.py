@@ -200,8 +200,8 @@ class MlflowSink(Sink):
         mlflow = _import("mlflow", "mlflow")
         self.entities = importlib.import_module("mlflow.entities")
         self.client = mlflow.MlflowClient(tracking_uri=settings.uri)
-        self.experiment_id = self._experiment(project, mlflow.exceptions.MlflowException)
-        self.run_uuid = self._run(run_id, project)
+        self.experiment_id = self._experiment(project, importlib.import_module("mlflow.exceptions").MlflowException)
+        self.run_uuid = self._run(run_id)
 
     def _experiment(self, name: str, error: type) -> str:
         experiment = self.client.get_experiment_by_name(name)
@@ -212,19 +212,18 @@ class MlflowSink(Sink):
         except error:  # another writer created it first
             return self.client.get_experiment_by_name(name).experiment_id
 
-    def _runs_of(self, run_id: str) -> list:
-        return self.client.search_runs([self.experiment_id], f"tags.`{RUN_TAG}` = '{run_id}'")
+    def _earliest_run_of(self, run_id: str) -> str | None:
+        runs = self.client.search_runs([self.experiment_id], f"tags.`{RUN_TAG}` = '{run_id}'")
+        return min(((run.info.start_time, run.info.run_id) for run in runs), default=(None, None))[1]
 
-    def _run(self, run_id: str, project: str) -> str:
-        runs = self._runs_of(run_id)
-        if not runs:
+    def _run(self, run_id: str) -> str:
+        kept = self._earliest_run_of(run_id)
+        if kept is None:
             mine = self.client.create_run(self.experiment_id, run_name=run_id, tags={RUN_TAG: run_id}).info.run_id
-            runs = self._runs_of(run_id)
-            kept = min(runs, key=lambda run: (run.info.start_time, run.info.run_id)).info.run_id
+            kept = self._earliest_run_of(run_id)
             if kept != mine:
                 self.client.delete_run(mine)
-            return kept
-        return min(runs, key=lambda run: (run.info.start_time, run.info.run_id)).info.run_id
+        return kept
 
     def _write(self, points: list[Point]) -> None:
         now = int(time.time() * 1000)

@@ -118,6 +118,15 @@ def test_export_metrics_replays_the_run_into_tensorboard(tracked_run, tmp_path, 
     assert_holds(tensorboard_series(tmp_path / run_id), ledger_series(spec, report), rel=1e-6)
 
 
+@pytest.mark.parametrize("to, problem", [(["comet", "x"], "--to comet: expected one of tensorboard, mlflow, wandb"),
+                                         (["mlflow", "https://u:pw@mlflow.example"], "must not carry credentials")])
+def test_export_metrics_refuses_a_target_it_cannot_use(tracked_run, to, problem, capsys):
+    _, config, run_id, _, _ = tracked_run
+    assert main(["export-metrics", run_id, "--config", config, "--to", *to]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and "pw@" not in err
+
+
 def test_export_metrics_into_a_sqlite_mlflow_store(tracked_run, tmp_path):
     from mlflow import MlflowClient
 
@@ -130,6 +139,8 @@ def test_export_metrics_into_a_sqlite_mlflow_store(tracked_run, tmp_path):
     assert run.info.status == "FINISHED"
     found = {key: {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} for key in run.data.metrics}
     assert_holds(found, ledger_series(spec, report))
+    late = open_sink(TrackingSpec(backend="mlflow", uri=uri, project="islands"), spec.name, run_id, "b")
+    assert late.run_uuid == run.info.run_id  # a writer that comes later joins the run's one MLflow run
 
 
 def test_export_metrics_into_wandb_offline_files(tracked_run, tmp_path, monkeypatch):
