@@ -184,6 +184,8 @@ def test_a_run_with_poisoned_messages_trains_as_if_they_were_missing(run):
         plant(store, round_index, payload, meta)
     poisoned = train_pair(spec, store)
     assert [m["round"] for m in poisoned[0].ledger.missed_exchanges] == [0, 1, 2]
+    # The trackers' per-exchange counts (eval/tracking.py): each of them missed, and refused on arrival.
+    assert [(e["missed"], e["refused"]) for e in poisoned[0].ledger.exchanges] == [(1, 1)] * 3 + [(0, 0)]
     heldout = read_stream(store, store.get_json(layout.DATA_MANIFEST)["heldout"]["text"])
     for learner, reference in zip(poisoned, clean):
         assert bool(torch.isfinite(flat_parameters(learner.model)).all())
