@@ -205,14 +205,20 @@ def teardown(plan: LinkPlan, driver: subprocess.Popen | None) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
+    remove_namespaces([e.namespace for e in plan.ends])
+    log(f"torn down namespaces {', '.join(e.namespace for e in plan.ends)}")
+
+
+def remove_namespaces(namespaces: list[str]) -> None:
+    """Kill every process inside each of `namespaces` that exists, then delete it. Only for namespaces
+    the caller made: nothing else lives in them."""
     ours = existing_namespaces()
-    for e in plan.ends:
-        if e.namespace not in ours:
+    for namespace in namespaces:
+        if namespace not in ours:
             continue
-        pids = subprocess.run(["ip", "netns", "pids", e.namespace], capture_output=True, text=True).stdout.split()
-        for pid in pids:  # started by this bench: nothing else lives in a namespace it just made
+        pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True).stdout.split()
+        for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(pid), signal.SIGKILL)
-        # Deleting a namespace destroys its end of the veth pair, and with it the pair.
-        subprocess.run(["ip", "netns", "del", e.namespace], capture_output=True)
-    log(f"torn down namespaces {', '.join(e.namespace for e in plan.ends)}")
+        # Deleting a namespace destroys its end of a veth pair, and with it the pair.
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True)

@@ -108,7 +108,7 @@ def kind_of(name: str) -> str:
     key = _RUN_KEY.match(name)
     key = key.group(1) if key else name
     for marker, kind in (("/message", "message"), ("/checkpoint", "checkpoint"), ("/curve-weights", "curve-weights"),
-                         ("/life-", "life"), ("/paused-", "pause"), ("/summary", "summary"), ("lease/", "lease"),
+                         ("/life-", "life"), ("/paused-", "pause"), ("/rendezvous-", "rendezvous"), ("/summary", "summary"), ("lease/", "lease"),
                          ("spec.json", "spec"), ("data/", "data"), ("models/", "model"), ("rewrites/", "model"),
                          ("report/", "report")):
         if marker in key or key.startswith(marker):

@@ -9,15 +9,21 @@ it returns (the learner's exit, an error relaying its output, an interrupt), and
 process, torchrun's workers included, starts through this module's `main`, which has the kernel
 kill it when its parent dies (a parent killed with SIGKILL runs no cleanup of its own).
 
-Nothing a torchrun group opens listens beyond loopback: its rendezvous store is bound to
-127.0.0.1 (torchrun's own rendezvous binds it to every interface) and gloo and NCCL are told to
-use `lo`. The store is unauthenticated; it carries no pickles under the static rendezvous.
+Nothing a torchrun group opens listens beyond loopback, or beyond the island's
+`network_interface` for a learner that spans several nodes: its rendezvous store is bound to
+127.0.0.1 or that interface's address (torchrun's own rendezvous binds it to every interface) and
+gloo and NCCL are told to use `lo` or that interface. The store is unauthenticated; it carries no
+pickles under the static rendezvous. Node 0 of a learner on several nodes announces the store's
+address on its output; its launcher publishes it for the other nodes (infra/rendezvous.py).
+Each node's launcher guards its own processes; when a node's processes die, the others' collectives
+fail (or their watchdog fires) and they exit too, so the learner restarts as a whole.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import ipaddress
 import os
 import runpy
 import shutil
@@ -32,11 +38,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import psutil
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from infra.rendezvous import ANNOUNCEMENT, RENDEZVOUS_TIMEOUT_S, Endpoint, announcement
 from infra.spec import IslandSpec, RunSpec
 from infra.tracking_spec import TRACKER_CREDENTIALS
 
@@ -47,10 +55,9 @@ WINDOW_CLOSED = 75
 GUARDED = [sys.executable, "-m", "infra.launch"]
 TORCHRUN = "torch.distributed.run"
 LEARNER_MODULE = "training.learner.process"
-LOOPBACK_RENDEZVOUS = "archipelago-loopback"
+BOUND_RENDEZVOUS = "archipelago-bound"
 # The pid a guarded process must find as its parent; each guarded process sets it to its own for its children.
 PARENT_PID = "ARCHIPELAGO_PARENT_PID"
-LOOPBACK_ONLY = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 # How long a learner's group gets to exit on SIGTERM (torchrun stops its workers) before SIGKILL.
 TERMINATE_GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
@@ -74,14 +81,35 @@ class LearnerProcess:
     spec_sha256: str = field(kw_only=True)
     # The lease term of the lifecycle that starts it (infra.lease.LeaseFence): it stops once a newer one holds the run.
     lease_term: int | None = field(default=None, kw_only=True)
+    # A learner on several nodes (islands[].nodes_per_learner): this is node `node` of `nodes`, and
+    # `processes` are its own. They meet and talk on network `interface`, at node 0's address
+    # `rendezvous` ("host:port"; on node 0 None: its torchrun binds it and announces it).
+    nodes: int = field(default=1, kw_only=True)
+    node: int = field(default=0, kw_only=True)
+    interface: str | None = field(default=None, kw_only=True)
+    rendezvous: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.node < self.nodes:
+            raise ValueError(f"learner {self.learner}: node {self.node} is not one of its {self.nodes} nodes")
+        if self.nodes > 1 and self.interface is None:
+            raise ValueError(f"learner {self.learner}: its {self.nodes} nodes need the network interface they meet on")
+        if (self.node > 0) != (self.rendezvous is not None):
+            raise ValueError(f"learner {self.learner}: node 0 binds the rendezvous and every other node joins "
+                             f"node 0's (node {self.node}, rendezvous {self.rendezvous!r})")
 
     def command(self, store_url: str, endpoint_url: str | None, run_id: str,
                 credentials_env: str | None = None) -> list[str]:
         launcher = [*GUARDED, LEARNER_MODULE]
-        if self.processes > 1:
-            launcher = [*GUARDED, TORCHRUN, f"--rdzv-backend={LOOPBACK_RENDEZVOUS}",
-                        "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1",
-                        f"--nproc-per-node={self.processes}", "-m", "infra.launch", LEARNER_MODULE]
+        if self.processes > 1 or self.nodes > 1:
+            # torchrun hands its node rank only to its own static rendezvous; ours takes it as `rank`, as that does.
+            conf = ",".join([f"rank={self.node}", *([f"interface={self.interface}"] if self.interface else [])])
+            # Node 0 binds on its interface's address, or without one on loopback; the others join node 0's.
+            endpoint = self.rendezvous or "127.0.0.1:0"
+            launcher = [*GUARDED, TORCHRUN, f"--rdzv-backend={BOUND_RENDEZVOUS}", f"--rdzv-endpoint={endpoint}",
+                        f"--rdzv-conf={conf}",
+                        f"--nnodes={self.nodes}", f"--nproc-per-node={self.processes}", "-m", "infra.launch",
+                        LEARNER_MODULE]
         args = ["--store", store_url, "--run-id", run_id, "--spec-sha256", self.spec_sha256,
                 "--learner", str(self.learner), "--threads", str(self.threads)]
         if endpoint_url:
@@ -182,18 +210,25 @@ def _tracked(run_id: str, start: Callable[[], subprocess.Popen]):
             _running[run_id].discard(proc)
 
 
+def communicating_on(interface: str | None) -> dict[str, str]:
+    """The environment that keeps gloo's and NCCL's sockets on one network interface (`lo` without one)."""
+    name = interface or "lo"
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": f"={name}"}  # NCCL's `=`: that name exactly
+
+
 def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | None, run_id: str,
                 on_line: Callable[[str], None], credentials_env: str | None = None,
-                withheld_env: Iterable[str] = ()) -> None:
-    """Run one learner until it exits, relaying its output lines; raise with its last lines if it failed.
-    A learner that stopped at its capacity window's end exits cleanly too; the caller tells a pause
-    from the end by the learner's summary, which only a learner that trained every round writes.
-    Whatever ends this call, the learner's process group is ended with it. `withheld_env`: variables
-    of this environment the learner must not inherit (other writers' keys)."""
+                withheld_env: Iterable[str] = (), on_rendezvous: Callable[[str], None] | None = None) -> None:
+    """Run one learner (one node of it) until it exits, relaying its output lines; raise with its last
+    lines if it failed. A learner that stopped at its capacity window's end exits cleanly too; the
+    caller tells a pause from the end by the learner's summary, which only a learner that trained
+    every round writes. Whatever ends this call, the learner's process group is ended with it.
+    `withheld_env`: variables of this environment the learner must not inherit (other writers' keys).
+    `on_rendezvous`: told the first line node 0's torchrun announces its rendezvous address with."""
     withheld = set(withheld_env) | set(PREFECT_CREDENTIALS) | set(TRACKER_CREDENTIALS)
     env = {**{name: value for name, value in os.environ.items() if name not in withheld},
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
-           PARENT_PID: str(os.getpid()), **LOOPBACK_ONLY}
+           PARENT_PID: str(os.getpid()), **communicating_on(learner.interface)}
     tail: deque[str] = deque(maxlen=30)
     with _tracked(run_id, lambda: subprocess.Popen(
             learner.command(store_url, endpoint_url, run_id, credentials_env), stdout=subprocess.PIPE,
@@ -201,6 +236,9 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
         try:
             for line in proc.stdout:
                 tail.append(line.rstrip("\n"))
+                if on_rendezvous is not None and tail[-1].startswith(ANNOUNCEMENT):
+                    publish, on_rendezvous = on_rendezvous, None
+                    publish(tail[-1])
                 on_line(tail[-1])
             proc.wait()
         finally:
@@ -210,7 +248,8 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
         raise LearnersStopped(f"learner {learner.learner} of run {run_id} stopped: {_stopped[run_id]}")
     if code not in (0, WINDOW_CLOSED):
         cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-        raise LearnerFailed(f"learner {learner.learner} failed ({cause}); its last output:\n" + "\n".join(tail))
+        who = f"learner {learner.learner}" + (f" node {learner.node}" if learner.nodes > 1 else "")
+        raise LearnerFailed(f"{who} failed ({cause}); its last output:\n" + "\n".join(tail))
 
 
 def yield_cpu_to_learners() -> None:
@@ -271,31 +310,53 @@ def _command_name(pid: int) -> str:
         return ""
 
 
-class LoopbackRendezvous(StaticTCPRendezvous):
-    """torchrun's static rendezvous for one node, its store listening only on its endpoint's
-    address (port 0: one the kernel picks). torch binds a store server to every interface unless
-    handed a bound socket."""
+class BoundRendezvous(StaticTCPRendezvous):
+    """torchrun's static rendezvous with its store listening on one address only (port 0: one the
+    kernel picks): 127.0.0.1, or for a learner on several nodes node 0's address on their network
+    interface, which node 0 announces on its output for its launcher to publish. torch binds a
+    store server to every interface unless handed a bound socket. The other nodes join it."""
 
     def get_backend(self) -> str:
-        return LOOPBACK_RENDEZVOUS
+        return BOUND_RENDEZVOUS
 
     def next_rendezvous(self):
-        if not self._store:
-            listener = socket.create_server((self.master_addr, self.master_port))
+        if not self._store and self.rank == 0:
+            family = socket.AF_INET6 if ":" in self.master_addr else socket.AF_INET
+            listener = socket.create_server((self.master_addr, 0), family=family)
             self.master_port = listener.getsockname()[1]
+            if self.world_size > 1:
+                print(announcement(Endpoint(self.master_addr, self.master_port)), flush=True)
             self._store = TCPStore(self.master_addr, self.master_port, self.world_size, True, self.timeout,
                                    master_listen_fd=listener.detach())
         return super().next_rendezvous()
 
 
-def loopback_rendezvous(params: RendezvousParameters) -> LoopbackRendezvous:
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=0)
-    return LoopbackRendezvous(host, port, rank=0, world_size=1, run_id=params.run_id, timeout=600)
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` as this process sees it (its network namespace),
+    else its IPv6 address that is not link-local."""
+    addresses = psutil.net_if_addrs().get(name)
+    if addresses is None:
+        raise ValueError(f"network interface {name!r} does not exist here (there are "
+                         f"{', '.join(sorted(psutil.net_if_addrs()))}): see islands[].network_interface")
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for entry in addresses:
+            if entry.family == family and not ipaddress.ip_address(entry.address.split("%")[0]).is_link_local:
+                return entry.address
+    raise ValueError(f"network interface {name!r} has no IP address to listen on")
+
+
+def bound_rendezvous(params: RendezvousParameters) -> BoundRendezvous:
+    rank, interface = params.get_as_int("rank", 0), params.get("interface")
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
+    if rank == 0 and interface:
+        host = interface_address(interface)
+    return BoundRendezvous(host, port, rank=rank, world_size=params.max_nodes, run_id=params.run_id,
+                           timeout=RENDEZVOUS_TIMEOUT_S)
 
 
 def main(argv: list[str]) -> None:
     """`python -m infra.launch MODULE ARGS...`: run MODULE as `python -m` would, as a process that
-    dies with its parent; torchrun (MODULE torch.distributed.run) gets the loopback rendezvous."""
+    dies with its parent; torchrun (MODULE torch.distributed.run) gets the bound rendezvous."""
     die_with_parent()
     module = argv[0]
     if module == SRUN:  # srun replaces this guarded process, and so dies with the launcher too
@@ -304,7 +365,7 @@ def main(argv: list[str]) -> None:
                      "commands are")
         os.execvp(SRUN, argv)
     if module == TORCHRUN:
-        rendezvous_handler_registry.register(LOOPBACK_RENDEZVOUS, loopback_rendezvous)
+        rendezvous_handler_registry.register(BOUND_RENDEZVOUS, bound_rendezvous)
     sys.argv = argv  # run_module replaces argv[0] with the module's path, as `python -m` does
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

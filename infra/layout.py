@@ -83,6 +83,17 @@ def learner_paused(learner: int, life: int) -> str:
     return f"{liveness_prefix(learner)}/paused-{life:03d}.json"
 
 
+def rendezvous(learner: int, life: int) -> str:
+    """Where node 0 of a learner that spans several nodes publishes, for one life, the address its
+    other nodes join (infra/rendezvous.py): a new life gets a new key, so none is ever rewritten."""
+    return f"{liveness_prefix(learner)}/rendezvous-{life:03d}.json"
+
+
+def rendezvous_lives(keys: list[str]) -> list[int]:
+    """The lives of the rendezvous records among a learner's liveness keys (as `store.list` returns them)."""
+    return [int(key.rsplit("-", 1)[1].removesuffix(".json")) for key in keys if "/rendezvous-" in key]
+
+
 def learner_summary(learner: int, slot: int = 0) -> str:
     """What a learner writes once it has trained every round. Its later slots are where it writes when
     something it did not write took an earlier one (a key squatted in its store)."""

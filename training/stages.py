@@ -10,7 +10,6 @@ evaluation (`eval.evaluate`) -> report (`eval.report`).
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import threading
 import time
@@ -87,8 +86,8 @@ def train_learner(spec: RunSpec, run_id: str, learner: int, relay: Callable[[str
                 raise error
         if errors:
             raise LearnerFailed(f"learner {learner}: node{'s' if len(errors) > 1 else ''} "
-                                f"{', '.join(str(k) for k, _ in errors)} of {nodes} failed: "
-                                + "; ".join(f"node {k}: {str(e).splitlines()[0]}" for k, e in errors))
+                                f"{', '.join(str(k) for k, _ in errors)} of {nodes} failed\n"
+                                + "\n".join(str(error) for _, error in errors))
     return {"learner": learner, "island": island.name,
             "finished": finished(RunStores(spec, open_run(spec, run_id, writer=None)), spec, learner)}
 
@@ -102,15 +101,18 @@ def train_learner_node(spec: RunSpec, run_id: str, learner: int, node: int, rela
     starts in the island's store; every other node waits for it (`infra.rendezvous`; `give_up()`
     ends the wait early, once node 0 is known to have ended) and joins it."""
     island = spec.learners[learner].island
-    process = LearnerProcess(
-        learner, island.processes_per_node, threads_per_process(spec), until, wrapper,
-        spec_sha256=spec_sha256(spec), lease_term=lease_term, nodes=island.nodes_per_learner, node=node,
-        interface=island.network_interface if island.nodes_per_learner > 1 else None)
+
+    def process(rendezvous: str | None = None) -> LearnerProcess:
+        return LearnerProcess(
+            learner, island.processes_per_node, threads_per_process(spec), until, wrapper,
+            spec_sha256=spec_sha256(spec), lease_term=lease_term, nodes=island.nodes_per_learner, node=node,
+            interface=island.network_interface if island.nodes_per_learner > 1 else None, rendezvous=rendezvous)
+
     launch = dict(store_url=spec.store.url, endpoint_url=spec.store.endpoint_url, run_id=run_id, on_line=relay,
                   credentials_env=spec.store.credentials_env,
                   withheld_env=foreign_signing_keys(spec, island.name) + foreign_writer_credentials(spec, island.name))
     if island.nodes_per_learner == 1:
-        run_learner(process, **launch)
+        run_learner(process(), **launch)
         return
     # Node 0 signs its rendezvous records as its island, like its learner's lives; the others only read.
     stores = RunStores(spec, open_run(spec, run_id, writer=island.name if node == 0 else None), reader=island.name)
@@ -121,14 +123,14 @@ def train_learner_node(spec: RunSpec, run_id: str, learner: int, node: int, rela
             number = publish(stores.learner(learner), learner, life, endpoint)
             relay(f"learner {learner}: node 0 published its rendezvous of life {number} at {endpoint}")
 
-        run_learner(process, **launch, on_rendezvous=publish_rendezvous)
+        run_learner(process(), **launch, on_rendezvous=publish_rendezvous)
         return
     try:
-        number, endpoint = await_endpoint(stores.learner(learner), learner, life, give_up=give_up)
+        number, endpoint = await_endpoint(stores.learner(learner), learner, life, wrapper, give_up=give_up)
     except RendezvousTimeout as err:
         raise LearnerFailed(f"learner {learner} node {node}: {err}") from None
     relay(f"learner {learner}: node {node} joins the rendezvous of life {number} at {endpoint}")
-    run_learner(dataclasses.replace(process, rendezvous=str(endpoint)), **launch)
+    run_learner(process(str(endpoint)), **launch)
 
 
 def train_learners(spec: RunSpec, run_id: str, relay: Callable[[str], None], restarts: int = 0,
