@@ -2,8 +2,9 @@
 through the object store.
 
 Each learner is its own OS process (`training.learner.process`), or a `torchrun` group of processes
-when it is data-parallel over several. Rank 0 owns all store traffic; the other ranks only
-compute, and receive each round's new weights by broadcast.
+that share its model as its island's parallelism says (`training.model.parallel`: data parallel, or
+sharded with FSDP2). Rank 0 owns all store traffic; the other ranks only compute, take part in
+gathering what rank 0 sends and checkpoints, and receive each round's new weights from rank 0.
 
 A round: H AdamW steps from the anchor, then this round's fragment goes to the exchanger
 (`training.exchange.exchanger`), which sends and receives on the transport thread while the next round
@@ -34,10 +35,11 @@ from infra.windows import round_fits
 from training.data.streams import WindowSampler, read_stream
 from training.learner.events import emit
 from training.learner.faults import LearnerFaults
-from training.model.inner import average_gradients, forward_precision, inner_optimizer, optimizer_step
+from training.model.inner import forward_precision, inner_optimizer, optimizer_step
 from training.learner.ledger import Ledger, LearnerSummary, write_summary
 from training.model.registry import initial_model
-from training.model.params import flat_of, flat_parameters, unflatten_into
+from training.model.parallel import LearnerParallelism
+from training.model.params import flat_parameters
 from training.learner.retention import Retention
 from training.model.schedule import curve_rounds, learning_rate
 from training.learner.state import Checkpointer, LearnerState, Lives, choose_resume_point, own_ledger
@@ -56,19 +58,22 @@ class Learner:
         self.slot: LearnerSlot = spec.learners[index]
         self.device = torch.device(self.slot.island.device if self.slot.island.device == "cpu"
                                    else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
+        self.parallel = LearnerParallelism(self.slot.island.parallelism, rank, world, self.device)
         self.model = initial_model(spec, self.stores.run).to(self.device)
+        initial = flat_parameters(self.model).cpu()
+        self.parallel.shard(self.model)
         self.inner = inner_optimizer(self.model.parameters(), spec.training.lr, spec.training.weight_decay)
         self.transport = Transport.of(self.store, spec.sync.transport, read_from=self.stores.learner)
         self.lives = Lives(self.stores.learner, spec.sync.rounds)
         self.faults = LearnerFaults(spec, self.stores, index)
-        self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, flat_parameters(self.model).cpu(),
+        self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, initial,
                                    skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
         parameters = dict(self.model.named_parameters())
         # Each fragment's parameters in flat order: a fragment's weights are read and written through
         # them, never through a copy of the whole model.
         self.fragment_parameters = [[parameters[name] for name in names] for names in self.exchanger.layout.names]
         self.ledger = Ledger()
-        self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.device)
+        self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.parallel)
         # The bpb curve scores the learners' weights after these rounds once training is over.
         self.curve_rounds = set(curve_rounds(spec.sync.rounds))
         self.checkpoints = Checkpointer(self.store, self.transport, self.ledger,
@@ -79,7 +84,9 @@ class Learner:
         self._sync_seconds = 0.0
         shard = read_stream(self.store, self.stores.run.get_json(layout.DATA_MANIFEST)["shards"][index])
         self.sampler = WindowSampler(shard, self.slot.island.seq_len, seed=spec.seed)
-        self.rows = self.slot.island.batch_size // world
+        # Every rank draws the learner's whole batch and trains on its share of the rows: the learner
+        # trains on the same rows however many processes it has.
+        self.my_rows = slice(rank * self.slot.island.batch_size // world, (rank + 1) * self.slot.island.batch_size // world)
         self.start_round, self.rejoined_from = 0, None
         self.life = 0  # this process's life among the learner's lives (restarts, window resumes)
 
@@ -121,8 +128,9 @@ class Learner:
             self.exchanger.feedback.reset()
         elif meta.get("pending") is not None:
             self.pending = Exchange(meta["pending"]["round"], meta["pending"]["fragment"])
+            sent = self._fragment_weights(self.pending.fragment)
             if self.rank == 0:
-                self.pending = self.exchanger.start(self.pending.round, self._fragment_weights(self.pending.fragment))
+                self.pending = self.exchanger.start(self.pending.round, sent)
         self.start_round = t + 1
         self.rejoined_from = {"learner": learner, "round": t}
         emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
@@ -168,8 +176,8 @@ class Learner:
             self._apply_pending()
         sending = time.monotonic()
         wait = partner_wait_s(self.spec.sync, sending - round_started - self._sync_seconds)
+        sent = self._fragment_weights(self.exchanger.fragment_of(t).number)
         if self.rank == 0:
-            sent = self._fragment_weights(self.exchanger.fragment_of(t).number)
             if not math.isfinite(loss) or not bool(torch.isfinite(sent).all()):
                 raise LearnerDiverged(f"learner {self.slot.index} round {t}: its inner loss ({loss}) or weights are "
                                       "not finite; stopping instead of sending them to its peers")
@@ -184,13 +192,13 @@ class Learner:
         # including any wait for a message still on the link.
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
                                time.monotonic() - round_started - self._sync_seconds, self._sync_seconds)
-        # One copy of the whole model, for the rounds that keep it.
-        keeps = self.rank == 0 and (t in self.curve_rounds or self._checkpoint_due(t))
-        weights = flat_parameters(self.model).cpu() if keeps else None
+        # One copy of the whole model (on rank 0), for the rounds that keep it.
+        keeps = t in self.curve_rounds or self._checkpoint_due(t)
+        weights = self.parallel.gather(list(self.model.parameters())) if keeps else None
         # Before the checkpoint: a learner resumed from that checkpoint never comes back to this round.
         if self.rank == 0 and t in self.curve_rounds:
             self.checkpoints.write_curve_weights(layout.curve_weights(self.slot.index, t), weights, {"round": t})
-        if self.rank == 0 and self._checkpoint_due(t):
+        if self._checkpoint_due(t):
             checkpointing = time.monotonic()
             self._checkpoint(t, weights)
             self.ledger.book_checkpoint(time.monotonic() - checkpointing)
@@ -199,25 +207,29 @@ class Learner:
     def _checkpoint_due(self, t: int) -> bool:
         return (t + 1) % self.spec.training.checkpoint_every == 0 or t == self.spec.sync.rounds - 1
 
-    def _checkpoint(self, t: int, weights: torch.Tensor | None = None) -> None:
-        tensors, meta = self.state.state_dict(self.pending, weights)
-        self.checkpoints.write(t, tensors, {**meta, "round": t})
+    def _checkpoint(self, t: int, weights: torch.Tensor | None) -> None:
+        """Every rank calls it (a sharded learner gathers its optimizer state); rank 0 writes it.
+        `weights`: the model's flat parameters as `parallel.gather` gave them."""
+        state = self.state.state_dict(self.pending, weights)
+        if self.rank == 0:
+            tensors, meta = state
+            self.checkpoints.write(t, tensors, {**meta, "round": t})
         self.checkpointed = t
 
     def inner_steps(self, round_index: int) -> float:
         island = self.slot.island
         total = island.inner_steps * self.spec.sync.rounds
-        # Reseeded per round, so a resumed learner draws the windows it would have drawn anyway.
-        self.sampler.generator.manual_seed(hash((self.spec.seed, self.slot.index, self.rank, round_index)) & 0x7FFF_FFFF_FFFF_FFFF)
+        # Reseeded per round, so a resumed learner draws the windows it would have drawn anyway; every
+        # rank draws the same ones (the learner's batch) whatever its number.
+        self.sampler.generator.manual_seed(hash((self.spec.seed, self.slot.index, 0, round_index)) & 0x7FFF_FFFF_FFFF_FFFF)
         losses = []
         for h in range(island.inner_steps):
-            inputs, targets = self.sampler.batch(self.rows)
+            inputs, targets = (rows[self.my_rows] for rows in self.sampler.batch(island.batch_size))
             with forward_precision(self.device, island.precision):
                 loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
             self.inner.zero_grad(set_to_none=False)
             loss.backward()
-            if self.world > 1:
-                average_gradients(self.model, self.world)
+            self.parallel.sync_gradients(self.model)
             optimizer_step(self.model, self.inner, learning_rate(round_index * island.inner_steps + h, total,
                                                                  self.spec.training.lr, self.spec.training.warmup_steps))
             losses.append(loss.item())
@@ -231,22 +243,18 @@ class Learner:
     def _apply_pending(self) -> None:
         """Apply the exchange in flight; rank 0 computes the fragment's new weights and tells the others."""
         exchange, self.pending = self.pending, None
-        index = self.exchanger.fragments[exchange.fragment].index
         began = time.monotonic()
+        fragment_weights = self._fragment_weights(exchange.fragment)
         if self.rank == 0:
-            fragment_weights, result = self.exchanger.apply(exchange, self._fragment_weights(exchange.fragment))
+            fragment_weights, result = self.exchanger.apply(exchange, fragment_weights)
             self.ledger.book_exchange(exchange.round, exchange.fragment, result, time.monotonic() - began)
-            fragment_weights = fragment_weights.to(self.device)
-        else:
-            fragment_weights = torch.empty(int(index.numel()), device=self.device)
-        if self.world > 1:
-            dist.broadcast(fragment_weights, src=0)
-        unflatten_into(fragment_weights, self.fragment_parameters[exchange.fragment])
+        self.parallel.scatter(fragment_weights, self.fragment_parameters[exchange.fragment])
         self._sync_seconds += time.monotonic() - began
 
-    def _fragment_weights(self, fragment: int) -> torch.Tensor:
-        """A copy of a fragment's weights, on the CPU, in the order of its index in the flat vector."""
-        return flat_of(self.fragment_parameters[fragment]).cpu()
+    def _fragment_weights(self, fragment: int) -> torch.Tensor | None:
+        """A copy of a fragment's weights, on the CPU, in the order of its index in the flat vector, on
+        rank 0 (None on the others). Every rank calls it: a sharded learner gathers the fragment."""
+        return self.parallel.gather(self.fragment_parameters[fragment])
 
     def _write_summary(self) -> None:
         summary = LearnerSummary.of(
@@ -274,8 +282,8 @@ class Learner:
         """The next window resumes from the last round this one finished: it is checkpointed, whatever
         `checkpoint_every` says."""
         last = next_round - 1
-        if self.rank == 0 and last >= self.start_round and last != self.checkpointed:
-            self._checkpoint(last)
+        if last >= self.start_round and last != self.checkpointed:
+            self._checkpoint(last, self.parallel.gather(list(self.model.parameters())))
         self.checkpoints.finish()
         if self.rank == 0:
             self.lives.record_pause(self.slot.index, self.life, next_round)

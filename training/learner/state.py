@@ -23,7 +23,7 @@ from training.learner.events import emit
 from training.learner.ledger import Ledger
 from training.exchange.messages import short
 from training.exchange.outer import StateRejected
-from training.model.params import flat_parameters, load_flat_parameters
+from training.model.parallel import LearnerParallelism
 from training.learner.retention import Retention, checkpoint_rounds
 from training.exchange.exchanger import Exchange, Exchanger
 
@@ -42,10 +42,13 @@ MAX_WEIGHT_GROWTH = 100.0
 
 
 class LearnerState:
+    """The state in the checkpoint's one layout whatever the learner's parallelism: the weights and the
+    inner optimizer's moments whole, as one process would hold them (`training.model.parallel`)."""
+
     def __init__(self, model: torch.nn.Module, inner: torch.optim.Optimizer, exchanger: Exchanger,
-                 ledger: Ledger, transport, device: torch.device):
+                 ledger: Ledger, transport, parallel: LearnerParallelism):
         self.model, self.inner, self.exchanger = model, inner, exchanger
-        self.ledger, self.transport, self.device = ledger, transport, device
+        self.ledger, self.transport, self.parallel = ledger, transport, parallel
 
     def check(self, tensors: dict[str, torch.Tensor], meta: dict, rounds: int) -> None:
         """Raise CheckpointRejected unless a checkpoint (this learner's or a peer's) is a state this
@@ -84,21 +87,24 @@ class LearnerState:
             raise CheckpointRejected("checkpoint's exchange in flight names no round and fragment of this run")
         self.exchanger.check_state(tensors, meta.get("outer", {}))
 
-    def state_dict(self, pending: Exchange | None, weights: torch.Tensor | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    def state_dict(self, pending: Exchange | None,
+                   weights: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict] | None:
         """The state as tensors that training never changes afterwards (copies, or the exchanger's
-        snapshots), so a checkpoint can be written from them while training goes on. `weights`: a
-        copy of the model's flat parameters, if the caller has one."""
+        snapshots), so a checkpoint can be written from them while training goes on. `weights`: a copy
+        of the model's flat parameters (`parallel.gather`'s). Every rank of the learner calls it (a
+        sharded learner gathers its optimizer state); rank 0 gets the state, the others None."""
+        moments = {f"inner.{i}.{name}": self.parallel.full_copy(value)
+                   for i, p in enumerate(self.model.parameters())
+                   for name, value in self.inner.state.get(p, {}).items() if torch.is_tensor(value) and value.dim() > 0}
+        if self.parallel.rank != 0:
+            return None
         exchanger_tensors, outer_scalars = self.exchanger.state_dict()
-        weights = flat_parameters(self.model).cpu() if weights is None else weights
         tensors = {"weights": weights, **exchanger_tensors}
         # With one fragment and nothing in flight, the anchor is the weights the round ended on (unless the
         # sync mode moves the weights elsewhere: hierarchical rounds that do not cross islands).
         if len(self.exchanger.fragments) > 1 or pending is not None or not self.exchanger.mode.weights_are_anchor:
             tensors["anchors"] = self.exchanger.anchors()
-        for i, p in enumerate(self.model.parameters()):
-            for name, value in self.inner.state.get(p, {}).items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    tensors[f"inner.{i}.{name}"] = value.detach().to("cpu", copy=True)
+        tensors.update(moments)
         first = self.inner.state.get(next(self.model.parameters()), {})
         self.ledger.links, self.ledger.stores = self.transport.report(), self.transport.by_store
         in_flight = None if pending is None else {"round": pending.round, "fragment": pending.fragment}
@@ -108,14 +114,14 @@ class LearnerState:
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Weights, inner moments and the exchanger's state; the ledger is the learner's own (see
         `own_ledger`), since the checkpoint may be a peer's."""
-        load_flat_parameters(self.model, tensors["weights"].to(self.device))
+        self.parallel.load(tensors["weights"], list(self.model.parameters()))
         self.exchanger.load_anchors(tensors.get("anchors", tensors["weights"]))
         self.exchanger.load_state_dict(tensors, meta.get("outer", {}))
         for i, p in enumerate(self.model.parameters()):
             if f"inner.{i}.exp_avg" in tensors:
                 self.inner.state[p] = {"step": torch.tensor(float(meta["inner_step"])),
-                                       "exp_avg": tensors[f"inner.{i}.exp_avg"].to(self.device),
-                                       "exp_avg_sq": tensors[f"inner.{i}.exp_avg_sq"].to(self.device)}
+                                       "exp_avg": self.parallel.local(tensors[f"inner.{i}.exp_avg"], p),
+                                       "exp_avg_sq": self.parallel.local(tensors[f"inner.{i}.exp_avg_sq"], p)}
 
 
 class Checkpointer:

@@ -1,0 +1,195 @@
+"""A learner sharded with FSDP2 (`islands[].parallelism: fsdp`) over real gloo processes: it trains as a
+one-process learner does on the same rows, its checkpoints are the canonical whole-model layout that
+a one-process learner resumes from (and it resumes from theirs), and an fsdp island trains with a
+data-parallel one through `archipelago run`."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+import yaml
+
+from infra import layout
+from infra.spec import parse_spec
+from infra.store import ObjectStore, run_store
+from tests.corpora import corpus_folder
+from training.data.shards import prepare_dataset
+from infra.model_spec import BYTE_VOCAB
+from training.learner.loop import Learner
+from training.model.gpt import ByteGPT, GPTConfig
+from training.model.inner import inner_optimizer, optimizer_step
+from training.model.parallel import LearnerParallelism
+from training.model.params import flat_parameters
+
+TOLERANCE = 1e-5
+
+
+def text_data(tmp_path) -> dict:
+    corpus = corpus_folder(tmp_path)
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} says something of its own " * 60)
+    return {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")], "eval_fraction": 0.25,
+                         "max_eval_bytes": 1000}]}
+
+
+def one_learner_spec(tmp_path, **island) -> dict:
+    return {
+        "name": "fsdp",
+        "islands": [{"name": "a", "learners": 1, "batch_size": 4, "seq_len": 16, "inner_steps": 3, **island}],
+        "model": {"layers": 2, "width": 16, "heads": 2},
+        "data": text_data(tmp_path),
+        "training": {"warmup_steps": 1, "keep_checkpoints": None},
+        "sync": {"mode": "butterfly", "rounds": 3},
+        "store": {"url": str(tmp_path / "store")},
+    }
+
+
+def prepared(raw: dict, run_id: str):
+    spec = parse_spec(raw)
+    store = ObjectStore(spec.store.url).child(f"runs/{run_id}")
+    store.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    prepare_dataset(spec, store)
+    return spec, store
+
+
+def sharded_rank(rank: int, port: int, spec, store_url: str, phases: list[tuple[str, list[int]]]) -> None:
+    """Rank `rank` of a 2-process fsdp learner: in each phase, learner 0 of run `run_id` resumes (a new
+    life) and trains `rounds`; then the sparse model's check (one group of processes for both: each
+    start costs seconds)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        experts_unused_on_one_rank_train_as_data_parallel(rank)
+        for run_id, rounds in phases:
+            learner = Learner(spec, ObjectStore(store_url).child(f"runs/{run_id}"), 0, rank, 2)
+            parameters = list(learner.model.parameters())
+            # Sharded: each rank holds about half of every parameter, and half of the optimizer's state.
+            assert all(isinstance(p, DTensor) for p in parameters)
+            assert sum(p.to_local().numel() for p in parameters) <= sum(p.numel() for p in parameters) // 2 + 64
+            learner.resume()
+            for t in rounds:
+                learner.run_round(t)
+            learner.checkpoints.finish()
+    finally:
+        dist.destroy_process_group()
+
+
+def experts_unused_on_one_rank_train_as_data_parallel(rank: int) -> None:
+    """A sparse MoE where an expert gets tokens on one rank only: sharded, every rank still reduce-scatters
+    its gradient (zeros where unused), so the model trains exactly as data parallelism trains it."""
+    config = GPTConfig(layers=1, width=16, heads=2, max_seq_len=8, experts=8, top_k=1)
+    windows = torch.randint(0, BYTE_VOCAB, (1, 5), generator=torch.Generator().manual_seed(rank))
+    trained = []
+    for parallelism in ("fsdp", "data_parallel"):
+        torch.manual_seed(0)
+        model = ByteGPT(config)
+        parallel = LearnerParallelism(parallelism, rank, 2, torch.device("cpu"))
+        parallel.shard(model)
+        optimizer = inner_optimizer(model.parameters(), 1e-2, 0.1)
+        for step in range(2):
+            optimizer.zero_grad(set_to_none=False)
+            model.loss(windows[:, :-1], windows[:, 1:]).backward()
+            if parallelism == "data_parallel" and step == 0:
+                used = torch.tensor([[p.grad is not None for p in expert.parameters()]
+                                     for expert in model.blocks[0].ffn.experts], dtype=torch.float32)
+                dist.all_reduce(used)
+                assert (used == 1).any(), "no expert is used on exactly one rank: the check checks nothing"
+            parallel.sync_gradients(model)
+            optimizer_step(model, optimizer, 1e-2)
+        trained.append(parallel.gather(list(model.parameters())))
+    if rank == 0:
+        assert torch.allclose(trained[0], trained[1], atol=1e-6, rtol=0), float((trained[0] - trained[1]).abs().max())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checkpoint(store: ObjectStore, t: int) -> dict[str, torch.Tensor]:
+    return store.read_committed(layout.checkpoint(0, t))[0]
+
+
+def test_an_fsdp_learner_trains_as_one_process_does_and_shares_its_checkpoints(tmp_path):
+    single, single_store = prepared(one_learner_spec(tmp_path), "single")
+    sharded, sharded_store = prepared(one_learner_spec(tmp_path, processes_per_learner=2, parallelism="fsdp"), "sharded")
+    # One process, rounds 0 and 1; a copy of the run as it stands then; round 2.
+    reference = Learner(single, single_store, 0)
+    reference.resume()
+    weights = []
+    for t in range(2):
+        reference.run_round(t)
+        weights.append(flat_parameters(reference.model))
+    shutil.copytree(tmp_path / "store/runs/single", tmp_path / "store/runs/single-copy")
+    reference.run_round(2)
+    weights.append(flat_parameters(reference.model))
+
+    # Two fsdp processes: rounds 0 and 1 from the start, then round 2 of the copy, resumed from the
+    # one-process learner's checkpoint of round 1.
+    mp.spawn(sharded_rank, args=(free_port(), sharded, single.store.url, [("sharded", [0, 1]), ("single-copy", [2])]),
+             nprocs=2, join=True)
+
+    for t in range(2):
+        written = checkpoint(sharded_store, t)
+        assert written["weights"].shape == weights[t].shape
+        assert torch.allclose(written["weights"], weights[t], atol=TOLERANCE, rtol=0)
+    # Its inner optimizer's moments are checkpointed whole, in the one-process learner's layout.
+    ours, theirs = checkpoint(sharded_store, 1), checkpoint(single_store, 1)
+    assert set(ours) == set(theirs) and any(name.startswith("inner.") for name in ours)
+    for name in theirs:
+        assert ours[name].shape == theirs[name].shape
+        assert torch.allclose(ours[name], theirs[name], atol=TOLERANCE, rtol=0), name
+    assert not torch.allclose(weights[2], weights[0], atol=1e-3)
+
+    # The fsdp learner's checkpoint resumes on one process: its weights exactly, and it continues as
+    # the one-process learner did, which it can only with the inner moments restored.
+    resumed = Learner(single, sharded_store, 0)
+    resumed.resume()
+    assert resumed.start_round == 2
+    assert torch.equal(flat_parameters(resumed.model), checkpoint(sharded_store, 1)["weights"])
+    resumed.run_round(2)
+    assert torch.allclose(flat_parameters(resumed.model), weights[2], atol=TOLERANCE, rtol=0)
+    # And the one-process learner's checkpoint resumed on two fsdp processes.
+    assert torch.allclose(checkpoint(ObjectStore(single.store.url).child("runs/single-copy"), 2)["weights"],
+                          weights[2], atol=TOLERANCE, rtol=0)
+
+
+def test_an_fsdp_island_and_a_data_parallel_island_train_together(tmp_path, prefect_api):
+    from flows.cli import main
+
+    config = tmp_path / "mixed.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "mixed",
+        "islands": [{"name": "sharded", "learners": 1, "batch_size": 4, "seq_len": 16, "inner_steps": 3,
+                     "processes_per_learner": 2, "parallelism": "fsdp"},
+                    {"name": "replicated", "learners": 1, "batch_size": 4, "seq_len": 16, "inner_steps": 2,
+                     "processes_per_learner": 2, "parallelism": "data_parallel"}],
+        "model": {"layers": 2, "width": 16, "heads": 2},
+        "data": text_data(tmp_path),
+        "training": {"warmup_steps": 2},
+        "sync": {"mode": "butterfly", "rounds": 2, "partner_timeout_s": 60},
+        "evaluation": {"baseline": "none"},
+        "store": {"url": str(tmp_path / "store")},
+    }))
+    report_path = tmp_path / "report.json"
+    assert main(["run", str(config), "--report", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+
+    assert report["compute"]["islands_tokens"] == (4 * 3 + 4 * 2) * 16 * 2
+    for scores in report["evals"].values():
+        assert 0 < scores["islands_bpb"] < 9
+    assert report["communication"]["inter_island_bytes"] > 0
+    # Every round's exchange crosses the islands: the last one leaves both learners on one anchor.
+    assert report["consensus"]["max_weight_distance"] < 1e-5
+    store = run_store(parse_spec(yaml.safe_load(config.read_text())).store, report["run_id"])
+    assert [store.get_json(layout.learner_summary(i))["processes"] for i in range(2)] == [2, 2]
+    assert all(store.get_json(layout.learner_summary(i))["missed_exchanges"] == [] for i in range(2))
