@@ -1,5 +1,6 @@
 """bf16 inner steps: autocast arithmetic on fp32 weights, so what learners store and send keeps its kind."""
 
+import pytest
 import torch
 
 from infra import layout
@@ -11,9 +12,10 @@ from training.model.registry import build_model
 from training.model.params import flat_parameters
 
 
-def test_bf16_forward_runs_in_bf16_and_stays_close_to_fp32():
+@pytest.mark.parametrize("moe", [None, {"experts": 4, "top_k": 2}], ids=["dense", "moe"])
+def test_bf16_forward_runs_in_bf16_and_stays_close_to_fp32(moe):
     spec = parse_spec({"islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 1}],
-                       "model": {"layers": 2, "width": 32, "heads": 2},
+                       "model": {"layers": 2, "width": 32, "heads": 2, "moe": moe},
                        "data": {"corpora": [{"name": "c", "source": "files", "paths": ["x"]}]},
                        "sync": {"rounds": 1}})
     model = build_model(spec)

@@ -95,11 +95,15 @@ class MoE(nn.Module):
             # Top-1 keeps the raw probability as its gate (Switch Transformer): renormalised it would be
             # exactly 1, and the router would get no gradient from the language-model loss.
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(tokens)
+        out = None
         for e, expert in enumerate(self.experts):
             rows, slot = (chosen == e).nonzero(as_tuple=True)
             if rows.numel():
-                out.index_add_(0, rows, expert(tokens[rows]) * weights[rows, slot, None])
+                routed_out = expert(tokens[rows]) * weights[rows, slot, None]
+                # The experts' dtype, which autocast may make bf16 while the residual stream is fp32.
+                out = tokens.new_zeros(tokens.shape, dtype=routed_out.dtype) if out is None else out
+                out.index_add_(0, rows, routed_out)
+        out = torch.zeros_like(tokens) if out is None else out
         # Switch Transformer balance loss: experts * sum_e (fraction routed to e) * (mean prob of e).
         routed = F.one_hot(chosen, len(self.experts)).sum(dim=1).float().mean(dim=0) / self.top_k
         self.aux_loss = len(self.experts) * (routed * probs.mean(dim=0)).sum()
