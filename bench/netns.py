@@ -133,19 +133,15 @@ def run_concurrently(plan: LinkPlan, calls: list[tuple]) -> tuple[float, dict]:
 SEGMENT_HEADER_BYTES = 66
 
 
-class ConnectionBytes:
-    """Bytes on the wire of the TCP connections that a peer address opens to a local port, read from
-    the kernel's own per-socket counters (`ss -ti`) every `every_s` seconds on a thread: payload both
-    ways, retransmissions included, plus the headers of every segment. A connection opened and closed
-    between two readings is missed, so the figure is a floor."""
+class Sampling:
+    """Calls `sample()` every `every_s` seconds on a thread while in its `with` block, and once more at its end."""
 
-    def __init__(self, port: int, peer: str, every_s: float = 1.0):
-        self.port, self.peer, self.every_s = port, peer, every_s
-        self.seen: dict[str, int] = {}
+    def __init__(self, every_s: float):
+        self.every_s = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample_until_stopped, daemon=True)
 
-    def __enter__(self) -> "ConnectionBytes":
+    def __enter__(self):
         self._thread.start()
         return self
 
@@ -154,13 +150,28 @@ class ConnectionBytes:
         self._thread.join()
         self.sample()
 
-    @property
-    def total(self) -> int:
-        return sum(self.seen.values())
-
     def _sample_until_stopped(self) -> None:
         while not self._stop.wait(self.every_s):
             self.sample()
+
+    def sample(self) -> None:
+        raise NotImplementedError
+
+
+class ConnectionBytes(Sampling):
+    """Bytes on the wire of the TCP connections that a peer address opens to a local port, read from
+    the kernel's own per-socket counters (`ss -ti`) every `every_s` seconds on a thread: payload both
+    ways, retransmissions included, plus the headers of every segment. A connection opened and closed
+    between two readings is missed, so the figure is a floor."""
+
+    def __init__(self, port: int, peer: str, every_s: float = 1.0):
+        super().__init__(every_s)
+        self.port, self.peer = port, peer
+        self.seen: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
 
     def sample(self) -> None:
         listed = subprocess.run(["ss", "-tinH", "state", "all", f"( sport = :{self.port} )"],

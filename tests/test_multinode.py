@@ -4,19 +4,20 @@ a network namespace joined to the other by a veth pair; the rest checks the rend
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import shutil
 import socket
 import subprocess
-import threading
-import time
-import os
 
 import pytest
 
-from bench.netns import remove_namespaces, run_checked
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from bench.netns import Sampling, remove_namespaces, run_checked
 from infra import layout
+from infra.authority import Authority, Signer
 from infra.launch import LearnerProcess
 from infra.rendezvous import (Endpoint, RendezvousRejected, RendezvousTimeout, announced, announcement,
                               await_endpoint, checked_endpoint, publish)
@@ -76,6 +77,26 @@ def test_a_record_that_is_no_rendezvous_of_its_key_is_passed_over(tmp_path):
     assert store.stats["refused"] == {"rendezvous": 2}
 
 
+def test_a_rendezvous_signed_by_another_island_is_passed_over(tmp_path):
+    """Learner 0 is island a's: a record of its rendezvous that island b signed names no address to join."""
+    keys = {island: Ed25519PrivateKey.generate() for island in ("a", "b")}
+    public = {island: key.public_key() for island, key in keys.items()}
+
+    def store_of(writer: str | None) -> ObjectStore:
+        signer = Signer(writer, keys[writer]) if writer else None
+        return ObjectStore(str(tmp_path / "store"), authority=Authority(public, ("a", "b"), signer)).child("runs/r")
+
+    reader = store_of(None)
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        endpoint = Endpoint("127.0.0.1", listening.getsockname()[1])
+        assert publish(store_of("b"), 0, 0, endpoint) == 0  # island b signs what only island a may write
+        with pytest.raises(RendezvousTimeout):
+            await_endpoint(reader, 0, 0, timeout_s=0.5)
+        assert reader.stats["refused"] == {"rendezvous": 1}
+        assert publish(store_of("a"), 0, 0, endpoint) == 1
+        assert await_endpoint(reader, 0, 0, timeout_s=5) == (1, endpoint)
+
+
 def test_each_node_runs_torchrun_with_its_rank_and_processes():
     common = dict(spec_sha256="0" * 64, nodes=2, interface=FABRIC)
     first = LearnerProcess(0, 4, 1, **common).command("/s", None, "r")
@@ -115,31 +136,21 @@ def two_hosts():
         remove_namespaces(namespaces)
 
 
-class Listening:
+class Listening(Sampling):
     """Every listening socket's local address in each namespace, sampled with `ss` while the learners run."""
 
     def __init__(self, namespaces: list[str]):
+        super().__init__(every_s=0.3)
         self.namespaces = namespaces
         self.seen: dict[str, set[tuple[str, int]]] = {namespace: set() for namespace in namespaces}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
 
-    def __enter__(self) -> "Listening":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _sample(self) -> None:
-        while not self._stop.wait(0.3):
-            for namespace in self.namespaces:
-                rows = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-H", "-l", "-n", "-t", "-u"],
-                                      capture_output=True, text=True).stdout.splitlines()
-                for row in rows:  # Netid State Recv-Q Send-Q Local:Port Peer:Port
-                    host, _, port = row.split()[4].rpartition(":")
-                    self.seen[namespace].add((host.strip("[]").split("%")[0], int(port)))
+    def sample(self) -> None:
+        for namespace in self.namespaces:
+            rows = subprocess.run(["ip", "netns", "exec", namespace, "ss", "-H", "-l", "-n", "-t", "-u"],
+                                  capture_output=True, text=True).stdout.splitlines()
+            for row in rows:  # Netid State Recv-Q Send-Q Local:Port Peer:Port
+                host, _, port = row.split()[4].rpartition(":")
+                self.seen[namespace].add((host.strip("[]").split("%")[0], int(port)))
 
 
 @pytest.mark.integration
@@ -167,7 +178,6 @@ def test_a_learner_on_two_nodes_trains_with_another_island_and_restarts_whole_wh
     store = start_run(spec, run_id)
     prepare_dataset(spec, store)
     lines, restarts = [], []
-    began = time.monotonic()
     with Listening(two_hosts) as listening:
         results = train_learners(spec, run_id, lines.append, restarts=2,
                                  on_restart=lambda learner, reason: restarts.append((learner, reason)),
@@ -198,4 +208,3 @@ def test_a_learner_on_two_nodes_trains_with_another_island_and_restarts_whole_wh
         hosts = {host for host, _ in listening.seen[namespace]}
         assert hosts == {address}, (namespace, listening.seen[namespace])
     assert len(listening.seen[two_hosts[0]]) >= 2  # node 0: the rendezvous store and gloo's listener
-    print(f"trained in {time.monotonic() - began:.0f} s")
