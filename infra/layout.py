@@ -4,6 +4,8 @@ Every writer and reader goes through these names, so the store's layout is reada
 place: the spec, the data, each learner's per-round messages and checkpoints, the models.
 """
 
+import re
+
 SPEC = "spec.json"
 DATA_MANIFEST = "data/manifest.json"
 CONSOLIDATED = "models/consolidated"
@@ -90,8 +92,9 @@ def rendezvous(learner: int, life: int) -> str:
 
 
 def rendezvous_lives(keys: list[str]) -> list[int]:
-    """The lives of the rendezvous records among a learner's liveness keys (as `store.list` returns them)."""
-    return [int(key.rsplit("-", 1)[1].removesuffix(".json")) for key in keys if "/rendezvous-" in key]
+    """The lives of the rendezvous records among a learner's liveness keys (as `store.list` returns them);
+    a key of any other shape is none."""
+    return [int(found.group(1)) for key in keys if (found := re.search(r"/rendezvous-(\d{3,9})\.json$", key))]
 
 
 def learner_summary(learner: int, slot: int = 0) -> str:

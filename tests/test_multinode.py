@@ -73,6 +73,7 @@ def test_a_record_that_is_no_rendezvous_of_its_key_is_passed_over(tmp_path):
         store.put_json(layout.rendezvous(0, 0), {"learner": 0, "life": 0, "address": "127.0.0.1", "port": port})
         store.put_json(layout.rendezvous(0, 1), {"learner": 0, "life": 0, "address": "127.0.0.1", "port": port})
         store.put_json(layout.rendezvous(0, 2), {"learner": 0, "life": 2, "address": "localhost", "port": port})
+        store.put_json(f"{layout.liveness_prefix(0)}/rendezvous-latest.json", {"port": port})  # no life's key
         assert await_endpoint(store, 0, 0, timeout_s=5) == (0, Endpoint("127.0.0.1", port))
     assert store.stats["refused"] == {"rendezvous": 2}
 
