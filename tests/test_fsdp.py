@@ -1,31 +1,33 @@
 """A learner sharded with FSDP2 (`islands[].parallelism: fsdp`) over real gloo processes: it trains as a
 one-process learner does on the same rows, its checkpoints are the canonical whole-model layout that
-a one-process learner resumes from (and it resumes from theirs), and an fsdp island trains with a
-data-parallel one through `archipelago run`."""
+a one-process learner resumes from (and it resumes from theirs), sparse MoEs train sharded as they do
+data-parallel, and an fsdp island trains with a data-parallel one through `archipelago run`."""
 
 from __future__ import annotations
 
 import json
 import shutil
-import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.tensor import DTensor
 import yaml
+from torch.distributed.tensor import DTensor
 
 from infra import layout
+from infra.model_spec import BYTE_VOCAB
 from infra.spec import parse_spec
 from infra.store import ObjectStore, run_store
 from tests.corpora import corpus_folder
+from tests.test_baseline import free_port
+from tests.test_models import MODELS, spec_with
 from training.data.shards import prepare_dataset
-from infra.model_spec import BYTE_VOCAB
 from training.learner.loop import Learner
 from training.model.gpt import ByteGPT, GPTConfig
 from training.model.inner import inner_optimizer, optimizer_step
 from training.model.parallel import LearnerParallelism
+from training.model.registry import build_model
 from training.model.params import flat_parameters
 
 TOLERANCE = 1e-5
@@ -60,14 +62,14 @@ def prepared(raw: dict, run_id: str):
 
 
 def sharded_rank(rank: int, port: int, spec, store_url: str, phases: list[tuple[str, list[int]]]) -> None:
-    """Rank `rank` of a 2-process fsdp learner: in each phase, learner 0 of run `run_id` resumes (a new
-    life) and trains `rounds`; then the sparse model's check (one group of processes for both: each
-    start costs seconds)."""
+    """Rank `rank` of 2 gloo processes: the sparse models' check, then an fsdp learner: in each phase,
+    learner 0 of run `run_id` resumes (a new life) and trains `rounds`. One group of processes for
+    both, as starting one costs seconds."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        experts_unused_on_one_rank_train_as_data_parallel(rank)
+        sparse_models_train_sharded_as_data_parallel(rank)
         for run_id, rounds in phases:
             learner = Learner(spec, ObjectStore(store_url).child(f"runs/{run_id}"), 0, rank, 2)
             parameters = list(learner.model.parameters())
@@ -82,37 +84,33 @@ def sharded_rank(rank: int, port: int, spec, store_url: str, phases: list[tuple[
         dist.destroy_process_group()
 
 
-def experts_unused_on_one_rank_train_as_data_parallel(rank: int) -> None:
-    """A sparse MoE where an expert gets tokens on one rank only: sharded, every rank still reduce-scatters
-    its gradient (zeros where unused), so the model trains exactly as data parallelism trains it."""
-    config = GPTConfig(layers=1, width=16, heads=2, max_seq_len=8, experts=8, top_k=1)
-    windows = torch.randint(0, BYTE_VOCAB, (1, 5), generator=torch.Generator().manual_seed(rank))
-    trained = []
-    for parallelism in ("fsdp", "data_parallel"):
-        torch.manual_seed(0)
-        model = ByteGPT(config)
-        parallel = LearnerParallelism(parallelism, rank, 2, torch.device("cpu"))
-        parallel.shard(model)
-        optimizer = inner_optimizer(model.parameters(), 1e-2, 0.1)
-        for step in range(2):
-            optimizer.zero_grad(set_to_none=False)
-            model.loss(windows[:, :-1], windows[:, 1:]).backward()
-            if parallelism == "data_parallel" and step == 0:
-                used = torch.tensor([[p.grad is not None for p in expert.parameters()]
-                                     for expert in model.blocks[0].ffn.experts], dtype=torch.float32)
-                dist.all_reduce(used)
-                assert (used == 1).any(), "no expert is used on exactly one rank: the check checks nothing"
-            parallel.sync_gradients(model)
-            optimizer_step(model, optimizer, 1e-2)
-        trained.append(parallel.gather(list(model.parameters())))
-    if rank == 0:
-        assert torch.allclose(trained[0], trained[1], atol=1e-6, rtol=0), float((trained[0] - trained[1]).abs().max())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def sparse_models_train_sharded_as_data_parallel(rank: int) -> None:
+    """Sparse MoEs train sharded exactly as data parallelism trains them: the byte GPT's where an expert
+    gets tokens on one rank only (every rank still reduce-scatters its gradient, zeros where unused),
+    and a transformers Mixtral, whose `loss` runs its modules without its own `forward`."""
+    byte_moe, mixtral = GPTConfig(layers=1, width=16, heads=2, max_seq_len=8, experts=8, top_k=1), spec_with(MODELS["mixtral"])
+    for build, vocab in [(lambda: ByteGPT(byte_moe), BYTE_VOCAB), (lambda: build_model(mixtral), mixtral.vocab_size)]:
+        windows = torch.randint(0, vocab, (1, 5), generator=torch.Generator().manual_seed(rank))
+        trained = []
+        for parallelism in ("fsdp", "data_parallel"):
+            torch.manual_seed(0)
+            model = build()
+            parallel = LearnerParallelism(parallelism, rank, 2, torch.device("cpu"))
+            parallel.shard(model)
+            optimizer = inner_optimizer(model.parameters(), 1e-2, 0.1)
+            for step in range(2):
+                optimizer.zero_grad(set_to_none=False)
+                model.loss(windows[:, :-1], windows[:, 1:]).backward()
+                if parallelism == "data_parallel" and step == 0 and isinstance(model, ByteGPT):
+                    used = torch.tensor([[p.grad is not None for p in expert.parameters()]
+                                         for expert in model.blocks[0].ffn.experts], dtype=torch.float32)
+                    dist.all_reduce(used)
+                    assert (used == 1).any(), "no expert is used on exactly one rank: the check checks nothing"
+                parallel.sync_gradients(model)
+                optimizer_step(model, optimizer, 1e-2)
+            trained.append(parallel.gather(list(model.parameters())))
+        if rank == 0:
+            assert torch.allclose(trained[0], trained[1], atol=1e-6, rtol=0), float((trained[0] - trained[1]).abs().max())
 
 
 def checkpoint(store: ObjectStore, t: int) -> dict[str, torch.Tensor]:

@@ -1,6 +1,6 @@
 """A learner's OS process: `python -m training.learner.process --store URL --run-id RUN --spec-sha256 HASH
---learner I`, started by `infra.launch` (under `torchrun` when the learner is data-parallel over
-several processes). It reads the run's spec from the run's store and refuses it unless it hashes to
+--learner I`, started by `infra.launch` (under `torchrun` when the learner has several
+processes). It reads the run's spec from the run's store and refuses it unless it hashes to
 what the control plane passed, arms its watchdog (infra/watchdog.py), opens that store and its
 island's own (if it has one) with the spec's retry policy and any injected store faults, joins the
 process group, and runs the learner.

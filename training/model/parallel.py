@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from training.model.inner import average_gradients
@@ -58,6 +58,9 @@ class LearnerParallelism:
         for block in transformer_blocks(model):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
+        # Training calls `loss`, which may run the model's inner modules without its own `forward`
+        # (a transformers model's does): the root's parameters are gathered around it too.
+        register_fsdp_forward_method(model, "loss")
         # A sparse MoE's expert that no token on this rank was routed to has no gradient here but may on
         # another rank: every rank reduce-scatters every parameter's gradient (zeros for unused ones),
         # as data parallelism averages zeros for them.
