@@ -96,7 +96,7 @@ def sparse_models_train_sharded_as_data_parallel(rank: int) -> None:
             torch.manual_seed(0)
             model = build()
             parallel = LearnerParallelism(parallelism, rank, 2, torch.device("cpu"))
-            parallel.shard(model)
+            parallel.place(model)
             optimizer = inner_optimizer(model.parameters(), 1e-2, 0.1)
             for step in range(2):
                 optimizer.zero_grad(set_to_none=False)

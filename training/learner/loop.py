@@ -59,9 +59,9 @@ class Learner:
         self.device = torch.device(self.slot.island.device if self.slot.island.device == "cpu"
                                    else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
         self.parallel = LearnerParallelism(self.slot.island.parallelism, rank, world, self.device)
-        self.model = initial_model(spec, self.stores.run).to(self.device)
-        initial = flat_parameters(self.model).cpu()
-        self.parallel.shard(self.model)
+        self.model = initial_model(spec, self.stores.run)
+        initial = flat_parameters(self.model)
+        self.parallel.place(self.model)
         self.inner = inner_optimizer(self.model.parameters(), spec.training.lr, spec.training.weight_decay)
         self.transport = Transport.of(self.store, spec.sync.transport, read_from=self.stores.learner)
         self.lives = Lives(self.stores.learner, spec.sync.rounds)

@@ -47,10 +47,12 @@ class LearnerParallelism:
         self.rank, self.world, self.device = rank, world, device
         self.sharded = parallelism == "fsdp" and world > 1
 
-    def shard(self, model: torch.nn.Module) -> None:
-        """Under fsdp, shard `model` in place: its parameters become DTensors, so the inner optimizer
-        is built after this."""
+    def place(self, model: torch.nn.Module) -> None:
+        """Put `model` on this process's device: whole, or under fsdp sharded in place, only this
+        process's shards moving to the device. Sharded parameters are DTensors: the inner optimizer is
+        built after this."""
         if not self.sharded:
+            model.to(self.device)
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
