@@ -48,7 +48,8 @@ def one_learner_spec(tmp_path, **island) -> dict:
         "model": {"layers": 2, "width": 16, "heads": 2},
         "data": text_data(tmp_path),
         "training": {"warmup_steps": 1, "keep_checkpoints": None},
-        "sync": {"mode": "butterfly", "rounds": 3},
+        # Two fragments, each applied an inner step after it is sent: checkpoints hold an exchange in flight.
+        "sync": {"mode": "butterfly", "rounds": 3, "transport": {"fragments": 2, "tau": 1}},
         "store": {"url": str(tmp_path / "store")},
     }
 
