@@ -9,6 +9,7 @@ import json
 import shutil
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -29,6 +30,8 @@ from training.model.inner import inner_optimizer, optimizer_step
 from training.model.parallel import LearnerParallelism
 from training.model.registry import build_model
 from training.model.params import flat_parameters
+
+pytestmark = pytest.mark.integration  # gloo processes, learner processes, a Prefect API
 
 TOLERANCE = 1e-5
 
