@@ -15,12 +15,15 @@ Nothing a torchrun group opens listens beyond loopback, or beyond the island's
 gloo and NCCL are told to use `lo` or that interface. The store is unauthenticated; it carries no
 pickles under the static rendezvous. Node 0 of a learner on several nodes announces the store's
 address on its output; its launcher publishes it for the other nodes (infra/rendezvous.py).
-Each node's launcher guards its own processes; when a node's processes die, the others' collectives
-fail (or their watchdog fires) and they exit too, so the learner restarts as a whole.
+Each node's launcher guards its own processes. A process that launches several nodes of a learner
+ends the others' groups as soon as one node fails (`LearnerNodes`), and srun ends the other tasks of
+its step (`--kill-on-bad-exit`); otherwise the others' collectives fail (or their watchdog fires) and
+they exit too. Either way the learner fails, and restarts, as a whole.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import ipaddress
@@ -44,8 +47,10 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from infra import layout
 from infra.rendezvous import ANNOUNCEMENT, RENDEZVOUS_TIMEOUT_S, Endpoint, announcement
-from infra.spec import IslandSpec, RunSpec
+from infra.spec import IslandSpec, RunSpec, spec_sha256
+from infra.store import ObjectStore
 from infra.tracking_spec import TRACKER_CREDENTIALS
 
 # Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
@@ -55,6 +60,8 @@ WINDOW_CLOSED = 75
 GUARDED = [sys.executable, "-m", "infra.launch"]
 TORCHRUN = "torch.distributed.run"
 LEARNER_MODULE = "training.learner.process"
+# Started by srun on each node of a learner that spans several: it starts that node (training/node.py).
+NODE_LAUNCHER_MODULE = "training.node"
 BOUND_RENDEZVOUS = "archipelago-bound"
 # The pid a guarded process must find as its parent; each guarded process sets it to its own for its children.
 PARENT_PID = "ARCHIPELAGO_PARENT_PID"
@@ -65,6 +72,8 @@ SRUN = "srun"
 # The parent a learner that srun started finds on its node: the step's Slurm daemon, which ends the
 # step's processes with the step. srun hands its tasks this name as PARENT_PID.
 SLURM_STEP_DAEMON = "slurmstepd"
+# The relative node id Slurm gives each task of a job: a node launcher's node rank.
+SLURM_NODE_ID = "SLURM_NODEID"
 
 
 @dataclass(frozen=True)
@@ -84,24 +93,33 @@ class LearnerProcess:
     # A learner on several nodes (islands[].nodes_per_learner): this is node `node` of `nodes`, and
     # `processes` are its own. They meet and talk on network `interface`, at node 0's address
     # `rendezvous` ("host:port"; on node 0 None: its torchrun binds it and announces it).
+    # `node` None: every node at once, as the wrapper (srun) starts the node launcher on each of
+    # them, which takes its node rank from Slurm and works out the rest on its host.
     nodes: int = field(default=1, kw_only=True)
-    node: int = field(default=0, kw_only=True)
+    node: int | None = field(default=0, kw_only=True)
     interface: str | None = field(default=None, kw_only=True)
     rendezvous: str | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        if not 0 <= self.node < self.nodes:
+        if self.node is None:
+            if self.nodes == 1 or self.rendezvous is not None:
+                raise ValueError(f"learner {self.learner}: node launchers start a learner on several nodes and "
+                                 f"find node 0's rendezvous themselves (nodes {self.nodes}, "
+                                 f"rendezvous {self.rendezvous!r})")
+        elif not 0 <= self.node < self.nodes:
             raise ValueError(f"learner {self.learner}: node {self.node} is not one of its {self.nodes} nodes")
-        if self.nodes > 1 and self.interface is None:
-            raise ValueError(f"learner {self.learner}: its {self.nodes} nodes need the network interface they meet on")
-        if (self.node > 0) != (self.rendezvous is not None):
+        elif (self.node > 0) != (self.rendezvous is not None):
             raise ValueError(f"learner {self.learner}: node 0 binds the rendezvous and every other node joins "
                              f"node 0's (node {self.node}, rendezvous {self.rendezvous!r})")
+        if self.nodes > 1 and self.interface is None:
+            raise ValueError(f"learner {self.learner}: its {self.nodes} nodes need the network interface they meet on")
 
     def command(self, store_url: str, endpoint_url: str | None, run_id: str,
                 credentials_env: str | None = None) -> list[str]:
         launcher = [*GUARDED, LEARNER_MODULE]
-        if self.processes > 1 or self.nodes > 1:
+        if self.node is None:
+            launcher = [*GUARDED, NODE_LAUNCHER_MODULE]
+        elif self.processes > 1 or self.nodes > 1:
             # torchrun hands its node rank only to its own static rendezvous; ours takes it as `rank`, as that does.
             conf = ",".join([f"rank={self.node}", *([f"interface={self.interface}"] if self.interface else [])])
             # Node 0 binds on its interface's address, or without one on loopback; the others join node 0's.
@@ -111,7 +129,9 @@ class LearnerProcess:
                         f"--nnodes={self.nodes}", f"--nproc-per-node={self.processes}", "-m", "infra.launch",
                         LEARNER_MODULE]
         args = ["--store", store_url, "--run-id", run_id, "--spec-sha256", self.spec_sha256,
-                "--learner", str(self.learner), "--threads", str(self.threads)]
+                "--learner", str(self.learner)]
+        if self.node is not None:  # a node launcher shares its own host's cores among its processes
+            args += ["--threads", str(self.threads)]
         if endpoint_url:
             args += ["--endpoint-url", endpoint_url]
         if credentials_env:  # the name of the variables, never what they hold
@@ -123,20 +143,73 @@ class LearnerProcess:
         return [*self.wrapper, *launcher, *args]
 
 
+def learner_arguments(description: str) -> argparse.ArgumentParser:
+    """The parser of what `LearnerProcess.command` hands a learner process or a node launcher, but
+    `--threads`, which only a learner process takes."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--store", required=True, help="store root URL (credentials from the environment)")
+    parser.add_argument("--endpoint-url", default=None)
+    parser.add_argument("--credentials-env", default=None,
+                        help="prefix of the run store's credential variables (store.credentials_env)")
+    parser.add_argument("--run-id", required=True, help="run id")
+    parser.add_argument("--spec-sha256", required=True,
+                        help="sha256 of the run's spec as the control plane knows it; spec.json must match")
+    parser.add_argument("--learner", type=int, required=True, help="global learner index")
+    parser.add_argument("--until", type=datetime.fromisoformat, default=None,
+                        help="end of the island's capacity window (ISO 8601 with offset): stop cleanly before it")
+    parser.add_argument("--lease-term", type=int, default=None,
+                        help="the run's lease term of the lifecycle that started it: stop once a newer one holds the run")
+    return parser
+
+
+def started_spec(args: argparse.Namespace) -> RunSpec:
+    """The run's spec from its store, for a process started with `learner_arguments`; exits naming the
+    learner unless it hashes to what the control plane passed (someone else wrote it) and has that learner."""
+    raw_spec = (ObjectStore(args.store, args.endpoint_url, credentials_env=args.credentials_env)
+                .child(f"runs/{args.run_id}").get_json(layout.SPEC))
+    if spec_sha256(raw_spec) != args.spec_sha256:
+        sys.exit(f"learner {args.learner}: the spec.json of run {args.run_id} is not the spec the control plane "
+                 f"started this learner with (sha256 {spec_sha256(raw_spec)[:16]}, expected "
+                 f"{args.spec_sha256[:16]}): someone else wrote it; refusing to train on it")
+    spec = RunSpec.model_validate(raw_spec)
+    if not 0 <= args.learner < len(spec.learners):
+        sys.exit(f"learner {args.learner}: run {args.run_id} has learners 0 to {len(spec.learners) - 1}")
+    return spec
+
+
 def srun_wrapper(island: IslandSpec) -> tuple[str, ...]:
-    """The `wrapper` that starts a learner of `island` as a Slurm job of its own, one node and one task
-    holding its GPUs (`pool.launcher: srun`, from a worker on the login node). srun runs in a guarded
-    process, so it dies with the segment; the environment, store keys included, reaches the node through
-    Slurm, never the command line. Partition, account and time limit come from the worker's SLURM_*
-    variables, as srun reads them."""
-    gpus = [f"--gpus-per-node={island.processes_per_learner}"] if island.device == "cuda" else []
-    return (*GUARDED, SRUN, "--nodes=1", "--ntasks=1", *gpus, f"--job-name=archipelago-{island.name}",
-            "--kill-on-bad-exit=1", f"--export=ALL,{PARENT_PID}={SLURM_STEP_DAEMON}")
+    """The `wrapper` that starts a learner of `island` as a Slurm job of its own, one task on each of its
+    nodes holding that node's GPUs (`pool.launcher: srun`, from a worker on the login node, outside any
+    allocation: the job's relative node ids are then the learner's node ranks). On one node the task is
+    the learner's torchrun; on several, the node launcher (`LearnerProcess` with node None). srun runs in
+    a guarded process, so it dies with the segment, and ends every task of its step once one fails; the
+    environment, store keys included, reaches the nodes through Slurm, never the command line.
+    Partition, account and time limit come from the worker's SLURM_* variables, as srun reads them."""
+    gpus = [f"--gpus-per-node={island.processes_per_node}"] if island.device == "cuda" else []
+    return (*GUARDED, SRUN, f"--nodes={island.nodes_per_learner}", "--ntasks-per-node=1", *gpus,
+            f"--job-name=archipelago-{island.name}", "--kill-on-bad-exit=1",
+            f"--export=ALL,{PARENT_PID}={SLURM_STEP_DAEMON}")
+
+
+def slurm_node_rank(nodes: int) -> int:
+    """The node rank of this task of a learner on `nodes` nodes that srun started, one task per node:
+    Slurm's relative node id; ValueError naming the variable unless it is one of 0 to `nodes` - 1."""
+    value = os.environ.get(SLURM_NODE_ID)
+    if value is None:
+        raise ValueError(f"{SLURM_NODE_ID} is not set: the node launcher runs as a task that srun starts "
+                         "(islands[].pool.launcher srun)")
+    if not (value.isascii() and value.isdigit()):
+        raise ValueError(f"{SLURM_NODE_ID} {value[:32]!r} is not a node number")
+    if int(value) >= nodes:
+        raise ValueError(f"{SLURM_NODE_ID} {int(value)} is not one of the learner's {nodes} nodes (0 to {nodes - 1}): "
+                         f"srun must start it as a job of its own with --nodes={nodes}")
+    return int(value)
 
 
 def threads_per_process(spec: RunSpec) -> int:
-    """Share the host's cores among every learner process running at once."""
-    processes = sum(i.learners * i.processes_per_learner for i in spec.islands)
+    """Share the host's cores among every learner process running on it at once: all of each learner's
+    processes, or for a learner that spans several hosts those of one node."""
+    processes = sum(i.learners * i.processes_per_node for i in spec.islands)
     return max(1, (os.cpu_count() or 1) // processes)
 
 
@@ -210,6 +283,40 @@ def _tracked(run_id: str, start: Callable[[], subprocess.Popen]):
             _running[run_id].discard(proc)
 
 
+class LearnerNodes:
+    """The nodes of one learner that this process runs, each from a thread of its own: once one fails,
+    `fail` ends the process groups of the others at once and none starts after. Otherwise a node that
+    died before joining would leave node 0's rendezvous store waiting out its timeout
+    (infra.rendezvous.RENDEZVOUS_TIMEOUT_S) before the learner could restart."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+        self.failure: str | None = None
+
+    def fail(self, reason: str) -> None:
+        """Record the learner's first failure and end every node's processes that still run."""
+        with self._lock:
+            self.failure = self.failure or reason
+            running = list(self._running)
+        for proc in running:
+            end_group(proc)
+
+    @contextlib.contextmanager
+    def member(self, proc: subprocess.Popen):
+        """`proc`, a node's process group, ended by `fail` while it runs; LearnerFailed if a node already
+        failed (the caller ends the group)."""
+        with self._lock:
+            if self.failure is not None:
+                raise LearnerFailed(f"not joining the learner's other nodes: {self.failure}")
+            self._running.add(proc)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._running.discard(proc)
+
+
 def communicating_on(interface: str | None) -> dict[str, str]:
     """The environment that keeps gloo's and NCCL's sockets on one network interface (`lo` without one)."""
     name = interface or "lo"
@@ -218,13 +325,15 @@ def communicating_on(interface: str | None) -> dict[str, str]:
 
 def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | None, run_id: str,
                 on_line: Callable[[str], None], credentials_env: str | None = None,
-                withheld_env: Iterable[str] = (), on_rendezvous: Callable[[str], None] | None = None) -> None:
+                withheld_env: Iterable[str] = (), on_rendezvous: Callable[[str], None] | None = None,
+                nodes: LearnerNodes | None = None) -> None:
     """Run one learner (one node of it) until it exits, relaying its output lines; raise with its last
     lines if it failed. A learner that stopped at its capacity window's end exits cleanly too; the
     caller tells a pause from the end by the learner's summary, which only a learner that trained
     every round writes. Whatever ends this call, the learner's process group is ended with it.
     `withheld_env`: variables of this environment the learner must not inherit (other writers' keys).
-    `on_rendezvous`: told the first line node 0's torchrun announces its rendezvous address with."""
+    `on_rendezvous`: told the first line node 0's torchrun announces its rendezvous address with.
+    `nodes`: the learner's nodes this process runs, which end this one's group once one of them fails."""
     withheld = set(withheld_env) | set(PREFECT_CREDENTIALS) | set(TRACKER_CREDENTIALS)
     env = {**{name: value for name, value in os.environ.items() if name not in withheld},
            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(learner.threads),
@@ -234,13 +343,14 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
             learner.command(store_url, endpoint_url, run_id, credentials_env), stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True)) as proc, proc:
         try:
-            for line in proc.stdout:
-                tail.append(line.rstrip("\n"))
-                if on_rendezvous is not None and tail[-1].startswith(ANNOUNCEMENT):
-                    publish, on_rendezvous = on_rendezvous, None
-                    publish(tail[-1])
-                on_line(tail[-1])
-            proc.wait()
+            with nodes.member(proc) if nodes is not None else contextlib.nullcontext():
+                for line in proc.stdout:
+                    tail.append(line.rstrip("\n"))
+                    if on_rendezvous is not None and tail[-1].startswith(ANNOUNCEMENT):
+                        publish, on_rendezvous = on_rendezvous, None
+                        publish(tail[-1])
+                    on_line(tail[-1])
+                proc.wait()
         finally:
             end_group(proc)
     code = proc.returncode
@@ -248,7 +358,8 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
         raise LearnersStopped(f"learner {learner.learner} of run {run_id} stopped: {_stopped[run_id]}")
     if code not in (0, WINDOW_CLOSED):
         cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
-        who = f"learner {learner.learner}" + (f" node {learner.node}" if learner.nodes > 1 else "")
+        who = (f"learner {learner.learner}'s {learner.nodes} nodes" if learner.node is None else
+               f"learner {learner.learner}" + (f" node {learner.node}" if learner.nodes > 1 else ""))
         raise LearnerFailed(f"{who} failed ({cause}); its last output:\n" + "\n".join(tail))
 
 

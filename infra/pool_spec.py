@@ -30,8 +30,8 @@ class PoolSpec(SpecModel):
                                "holding the island's learners.")
     launcher: Literal["local", "srun"] = Field(
         "local", description="How a process pool's segment starts each learner: local (processes on the worker's "
-                             "host) or srun (a Slurm job step per learner, from a worker on the cluster's login "
-                             "node; the project's Python at the same path on every node).")
+                             "host) or srun (a Slurm job per learner, one task on each node it spans, from a worker "
+                             "on the cluster's login node; the project's Python at the same path on every node).")
     image: str | None = Field(
         None, max_length=512, pattern=r"^[^\s]+$",
         description="Container image of a kubernetes pool's segments, with the project installed (the repository's "

@@ -102,9 +102,6 @@ class IslandSpec(SpecModel):
         if self.pool.type == "kubernetes" and self.nodes_per_learner > 1:
             raise ValueError(f"island {self.name}: a kubernetes pool runs a segment in one pod, on one node: "
                              f"nodes_per_learner must be 1, not {self.nodes_per_learner}")
-        if self.pool.launcher == "srun" and self.nodes_per_learner > 1:
-            raise ValueError(f"island {self.name}: pool.launcher srun starts each learner as a job step on one "
-                             f"node: nodes_per_learner must be 1, not {self.nodes_per_learner}")
         return self
 
     @model_validator(mode="after")

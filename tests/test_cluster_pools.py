@@ -15,8 +15,10 @@ import pytest
 import yaml
 
 from flows.cli import main as archipelago
-from infra.launch import GUARDED, LEARNER_MODULE, PARENT_PID, SLURM_STEP_DAEMON, LearnerProcess, srun_wrapper
-from infra.spec import SpecError, load_spec, parse_spec
+from infra.launch import (GUARDED, LEARNER_MODULE, NODE_LAUNCHER_MODULE, PARENT_PID, SLURM_STEP_DAEMON, LearnerProcess,
+                          srun_wrapper)
+from infra.spec import SpecError, load_spec, parse_spec, spec_sha256
+from training.stages import train_learner
 
 REPO = Path(__file__).resolve().parents[1]
 K8S_CONFIG = REPO / "configs" / "two-sites-k8s.yaml"
@@ -146,8 +148,6 @@ def k8s_raw(**island) -> dict:
     ({"pool": {"type": "kubernetes", "image": "archipelago:1", "memory": "lots"}}, "islands.0.pool.memory"),
     ({"processes_per_learner": 4, "nodes_per_learner": 2, "network_interface": "ib0"},
      "island east: a kubernetes pool runs a segment in one pod, on one node: nodes_per_learner must be 1, not 2"),
-    ({"pool": {"launcher": "srun"}, "processes_per_learner": 4, "nodes_per_learner": 2, "network_interface": "ib0"},
-     "island east: pool.launcher srun starts each learner as a job step on one node"),
     ({"store": {"url": "/data/east"}},
      "islands.0.store.url: islands ['east'] run in Kubernetes pods, which reach no local folder of another host"),
 ])
@@ -172,7 +172,7 @@ def test_the_srun_launcher_starts_a_learner_as_a_slurm_job_from_a_guarded_srun()
     (island,) = spec.islands
     learner = LearnerProcess(0, island.processes_per_learner, 8, wrapper=srun_wrapper(island), spec_sha256="0" * 64)
     command = learner.command("s3://runs/archipelago", None, "r", "RUNS")
-    srun = [*GUARDED, "srun", "--nodes=1", "--ntasks=1", "--gpus-per-node=4", "--job-name=archipelago-east",
+    srun = [*GUARDED, "srun", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=4", "--job-name=archipelago-east",
             "--kill-on-bad-exit=1", f"--export=ALL,{PARENT_PID}={SLURM_STEP_DAEMON}"]
     assert command[:len(srun)] == srun
     rest = command[len(srun):]
@@ -181,6 +181,31 @@ def test_the_srun_launcher_starts_a_learner_as_a_slurm_job_from_a_guarded_srun()
     assert "RUNS" in rest and not any("AWS" in part for part in command)
     cpu = parse_spec(k8s_raw(pool={"launcher": "srun"})).islands[0]
     assert not any(part.startswith("--gpus") for part in srun_wrapper(cpu))
+
+
+def test_a_learner_on_several_nodes_under_srun_is_one_job_with_a_node_launcher_on_each(tmp_path, monkeypatch):
+    """A cuda learner of 8 processes on 2 nodes: the segment runs one srun, a task on each node with
+    that node's 4 GPUs, and the task is the node launcher (training/node.py), which takes its node rank
+    from Slurm. The srun here records what it was given: its command line, and the store key that
+    reached it through the environment and nowhere else."""
+    record = tmp_path / "srun-arguments"
+    (tmp_path / "bin").mkdir()
+    fake_srun = tmp_path / "bin" / "srun"
+    fake_srun.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {record}\n"
+                         f"printf '%s' \"$RUNS_AWS_SECRET_ACCESS_KEY\" > {record}.key\n")
+    fake_srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_srun.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("RUNS_AWS_SECRET_ACCESS_KEY", "runs-secret-key")
+    spec = parse_spec({**k8s_raw(device="cuda", batch_size=8, processes_per_learner=8, nodes_per_learner=2,
+                                 network_interface="ib0", pool={"launcher": "srun"}),
+                       "store": {"url": str(tmp_path / "store"), "credentials_env": "RUNS"}})
+    assert train_learner(spec, "r", 0, print)["finished"] is False
+    arguments = record.read_text().splitlines()
+    assert arguments == ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=4", "--job-name=archipelago-east",
+                         "--kill-on-bad-exit=1", f"--export=ALL,{PARENT_PID}={SLURM_STEP_DAEMON}",
+                         *GUARDED, NODE_LAUNCHER_MODULE, "--store", str(tmp_path / "store"), "--run-id", "r",
+                         "--spec-sha256", spec_sha256(spec), "--learner", "0", "--credentials-env", "RUNS"]
+    assert (tmp_path / "srun-arguments.key").read_text() == "runs-secret-key"
 
 
 def test_a_learner_told_srun_started_it_runs_only_under_slurmstepd(tmp_path):

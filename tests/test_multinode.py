@@ -1,6 +1,8 @@
 """A learner across hosts: node 0 publishes its rendezvous address for each life, the other nodes
 check it and join it, and a learner whose node dies restarts as a whole. The drill makes each node
-a network namespace joined to the other by a veth pair; the rest checks the rendezvous records."""
+a network namespace joined to the other by a veth pair; the rest checks the rendezvous records,
+a node that fails at its start, the node launcher srun starts on each node (two local processes on
+loopback) and how a node shares its host's cores."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import secrets
 import shutil
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -18,15 +21,18 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from bench.netns import Sampling, remove_namespaces, run_checked
 from infra import layout
 from infra.authority import Authority, Signer
-from infra.launch import LearnerProcess
+from infra.launch import (GUARDED, NODE_LAUNCHER_MODULE, PARENT_PID, SLURM_NODE_ID, LearnerFailed, LearnerProcess,
+                          slurm_node_rank, threads_per_process)
 from infra.rendezvous import (Endpoint, RendezvousRejected, RendezvousTimeout, announced, announcement,
                               await_endpoint, checked_endpoint, publish)
-from infra.spec import parse_spec
+from infra.spec import RunSpec, parse_spec, spec_sha256
 from infra.store import ObjectStore
+from infra.stores import RunStores
 from training.data.shards import prepare_dataset
-from training.learner.ledger import read_summary
+from training.learner.ledger import finished, read_summary
 from training.learner.state import Lives
-from training.stages import new_run_id, start_run, train_learners
+from training.stages import new_run_id, start_run, train_learner, train_learners
+from training.node import main as start_node
 from tests.corpora import corpus_folder
 
 FABRIC = "fab0"  # the island's network interface: one name on every node, as on a real cluster
@@ -209,3 +215,99 @@ def test_a_learner_on_two_nodes_trains_with_another_island_and_restarts_whole_wh
         hosts = {host for host, _ in listening.seen[namespace]}
         assert hosts == {address}, (namespace, listening.seen[namespace])
     assert len(listening.seen[two_hosts[0]]) >= 2  # node 0: the rendezvous store and gloo's listener
+
+
+def loopback_learner(tmp_path, **island) -> RunSpec:
+    """A run of one learner on 2 nodes, 1 process each, whose nodes meet on loopback: two local
+    processes stand in for two hosts."""
+    corpus = corpus_folder(tmp_path)
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} about nodes on one host " * 100)
+    return parse_spec({
+        "name": "loopback",
+        "islands": [{"name": "spanning", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2,
+                     "processes_per_learner": 2, "nodes_per_learner": 2, "network_interface": "lo", **island}],
+        "model": {"layers": 1, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
+                              "eval_fraction": 0.25}]},
+        "training": {"warmup_steps": 1},
+        "sync": {"rounds": 1},
+        "store": {"url": str(tmp_path / "store")},
+    })
+
+
+@pytest.mark.integration
+def test_a_node_that_fails_at_its_start_ends_its_learner_at_once(tmp_path):
+    """Node 1's learner process exits before it joins, while node 0's torchrun waits at its rendezvous
+    (for up to RENDEZVOUS_TIMEOUT_S): the launcher ends node 0 at once, and the learner fails whole."""
+    spec = loopback_learner(tmp_path)
+    run_id = new_run_id(spec)
+    start_run(spec, run_id)
+    # Runs the rendezvous check as given; refuses the node's torchrun, as a host that cannot start it would.
+    failing_host = ("sh", "-c", 'case " $* " in *" torch.distributed.run "*) echo "node 1: no torchrun here"; '
+                                'exit 3;; esac; exec "$@"', "failing-host")
+    lines = []
+    started = time.monotonic()
+    with pytest.raises(LearnerFailed, match="learner 0: nodes 0, 1 of 2 failed") as failure:
+        train_learner(spec, run_id, 0, lines.append, node_wrappers=[(), failing_host])
+    elapsed = time.monotonic() - started
+    assert any("node 0 published its rendezvous of life 0" in line for line in lines), lines
+    assert "learner 0 node 1 failed (exit status 3)" in str(failure.value)
+    assert "node 1: no torchrun here" in str(failure.value)
+    assert elapsed < 60, f"the learner took {elapsed:.0f} s to end after its node 1 failed"
+
+
+@pytest.mark.integration
+def test_the_node_launcher_takes_its_node_rank_from_slurm(tmp_path, monkeypatch):
+    """What srun starts on each node of a learner (one task per node): two of them, told their node by
+    SLURM_NODEID, form the learner and train it; one told a node the learner does not have refuses."""
+    spec = loopback_learner(tmp_path)
+    run_id = new_run_id(spec)
+    store = start_run(spec, run_id)
+    prepare_dataset(spec, store)
+    command = [*GUARDED, NODE_LAUNCHER_MODULE, "--store", spec.store.url, "--run-id", run_id,
+               "--spec-sha256", spec_sha256(spec), "--learner", "0"]
+
+    monkeypatch.setenv(SLURM_NODE_ID, "2")
+    with pytest.raises(SystemExit, match=re.escape(
+            "learner 0 of island spanning: SLURM_NODEID 2 is not one of the learner's 2 nodes (0 to 1)")):
+        start_node(command[len(GUARDED) + 1:])
+
+    def node_launcher(node_id: str) -> subprocess.Popen:
+        env = {**os.environ, SLURM_NODE_ID: node_id, PARENT_PID: str(os.getpid())}
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    launchers = [node_launcher("1"), node_launcher("0")]
+    try:
+        outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+    assert [launcher.returncode for launcher in launchers] == [0, 0], outputs
+    assert "learner 0: node 1 joins the rendezvous of life 0 at 127.0.0.1:" in outputs[0], outputs[0]
+    assert "learner 0: node 0 published its rendezvous of life 0 at 127.0.0.1:" in outputs[1], outputs[1]
+    assert finished(RunStores(spec, store), spec, 0)
+
+
+def test_a_node_rank_from_slurm_is_a_node_of_the_learner(monkeypatch):
+    monkeypatch.setenv(SLURM_NODE_ID, "3")
+    assert slurm_node_rank(4) == 3
+    for value, problem in [("4", "SLURM_NODEID 4 is not one of the learner's 4 nodes (0 to 3)"),
+                           ("-1", "SLURM_NODEID '-1' is not a node number"), ("", "'' is not a node number"),
+                           ("1 ", "'1 ' is not a node number"), ("\u0662", "is not a node number")]:
+        monkeypatch.setenv(SLURM_NODE_ID, value)
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            slurm_node_rank(4)
+    monkeypatch.delenv(SLURM_NODE_ID)
+    with pytest.raises(ValueError, match="SLURM_NODEID is not set"):
+        slurm_node_rank(4)
+
+
+def test_a_learner_process_shares_only_its_own_hosts_cores(monkeypatch, tmp_path):
+    """On each host run 4 learner processes: 2 of the spanning learner's 4 (its node's) and the other
+    island's 2 learners of 1 process."""
+    raw = loopback_learner(tmp_path, processes_per_learner=4, batch_size=4).model_dump(mode="json")
+    raw["islands"].append({"name": "single", "learners": 2, "batch_size": 2, "seq_len": 16, "inner_steps": 2})
+    spec = parse_spec(raw)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert threads_per_process(spec) == 4

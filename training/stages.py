@@ -19,7 +19,7 @@ from datetime import datetime
 
 from infra import layout
 from infra.authority import foreign_signing_keys
-from infra.launch import (LearnerFailed, LearnerProcess, LearnersStopped, run_learner, srun_wrapper,
+from infra.launch import (LearnerFailed, LearnerNodes, LearnerProcess, LearnersStopped, run_learner, srun_wrapper,
                           threads_per_process)
 from infra.rendezvous import RendezvousTimeout, announced, await_endpoint, publish
 from infra.spec import RunSpec, spec_sha256
@@ -58,22 +58,32 @@ def train_learner(spec: RunSpec, run_id: str, learner: int, relay: Callable[[str
 
     A learner on several nodes runs every node from this process, node k under `node_wrappers[k]` (a
     command prefix that execs it on that node's host or network namespace, e.g. `ip netns exec NS`;
-    none: all on this host), and fails once every node has ended if any failed: a node whose
-    partners died ends by itself (see infra/launch.py), so the learner restarts as a whole."""
+    none: all on this host). Once a node fails, the others' processes are ended at once
+    (`LearnerNodes`), and the learner fails when every node has ended, so it restarts as a whole.
+    Under `pool.launcher: srun` (and no `node_wrappers`) one srun starts a task on each node, which
+    starts that node with `train_learner_node` (training/node.py); srun ends them all once one fails."""
     island = spec.learners[learner].island
     nodes = island.nodes_per_learner
-    wrappers = list(node_wrappers) or [srun_wrapper(island) if island.pool.launcher == "srun" else ()] * nodes
-    if len(wrappers) != nodes:
-        raise ValueError(f"learner {learner}: {len(wrappers)} node wrappers for its {nodes} nodes")
-    if nodes == 1:
-        train_learner_node(spec, run_id, learner, 0, relay, until, lease_term, wrappers[0])
+    if node_wrappers and len(node_wrappers) != nodes:
+        raise ValueError(f"learner {learner}: {len(node_wrappers)} node wrappers for its {nodes} nodes")
+    if island.pool.launcher == "srun" and not node_wrappers:
+        train_learner_node(spec, run_id, learner, 0 if nodes == 1 else None, relay, until, lease_term,
+                           srun_wrapper(island))
+    elif nodes == 1:
+        train_learner_node(spec, run_id, learner, 0, relay, until, lease_term, node_wrappers[0] if node_wrappers else ())
     else:
+        wrappers = list(node_wrappers) or [()] * nodes
+        learner_nodes = LearnerNodes()
         node_zero_ended = threading.Event()
 
         def node(k: int) -> None:
             try:
                 train_learner_node(spec, run_id, learner, k, relay, until, lease_term, wrappers[k],
-                                   give_up=node_zero_ended.is_set)
+                                   give_up=lambda: node_zero_ended.is_set() or learner_nodes.failure is not None,
+                                   nodes=learner_nodes)
+            except BaseException:
+                learner_nodes.fail(f"node {k} failed")
+                raise
             finally:
                 if k == 0:
                     node_zero_ended.set()
@@ -92,14 +102,16 @@ def train_learner(spec: RunSpec, run_id: str, learner: int, relay: Callable[[str
             "finished": finished(RunStores(spec, open_run(spec, run_id, writer=None)), spec, learner)}
 
 
-def train_learner_node(spec: RunSpec, run_id: str, learner: int, node: int, relay: Callable[[str], None],
+def train_learner_node(spec: RunSpec, run_id: str, learner: int, node: int | None, relay: Callable[[str], None],
                        until: datetime | None = None, lease_term: int | None = None, wrapper: tuple[str, ...] = (),
-                       give_up: Callable[[], bool] = lambda: False) -> None:
+                       give_up: Callable[[], bool] = lambda: False, nodes: LearnerNodes | None = None) -> None:
     """Node `node` of a learner, on the host (or under the `wrapper`) this is called for; node 0 of a
     learner on one node is the whole learner. Where an island's learners span hosts, each host's
     segment starts its own node with this. Node 0 publishes its rendezvous address for the life it
     starts in the island's store; every other node waits for it (`infra.rendezvous`; `give_up()`
-    ends the wait early, once node 0 is known to have ended) and joins it."""
+    ends the wait early, once node 0 is known to have ended) and joins it. `node` None: every node,
+    each the task that `wrapper` (srun) starts on its host, which calls this for its own node.
+    `nodes`: the learner's nodes this process runs, which end this one once another fails."""
     island = spec.learners[learner].island
 
     def process(rendezvous: str | None = None) -> LearnerProcess:
@@ -110,8 +122,9 @@ def train_learner_node(spec: RunSpec, run_id: str, learner: int, node: int, rela
 
     launch = dict(store_url=spec.store.url, endpoint_url=spec.store.endpoint_url, run_id=run_id, on_line=relay,
                   credentials_env=spec.store.credentials_env,
-                  withheld_env=foreign_signing_keys(spec, island.name) + foreign_writer_credentials(spec, island.name))
-    if island.nodes_per_learner == 1:
+                  withheld_env=foreign_signing_keys(spec, island.name) + foreign_writer_credentials(spec, island.name),
+                  nodes=nodes)
+    if island.nodes_per_learner == 1 or node is None:
         run_learner(process(), **launch)
         return
     # Node 0 signs its rendezvous records as its island, like its learner's lives; the others only read.

@@ -13,50 +13,29 @@ started under (`--lease-term`) holds the run.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from datetime import datetime
 
 import torch
 import torch.distributed as dist
 
-from infra import layout, watchdog
+from infra import watchdog
 from infra.authority import Authority
 from infra.lease import LeaseFence
-from infra.launch import WINDOW_CLOSED
+from infra.launch import WINDOW_CLOSED, learner_arguments, started_spec
 from infra.retry import RetryPolicy
-from infra.spec import RunSpec, spec_sha256
 from infra.store import ObjectStore
 from infra.stores import RunStores
 from training.learner.faults import store_faults
 from training.learner.loop import Learner
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run one Archipelago learner.")
-    parser.add_argument("--store", required=True, help="store root URL (credentials from the environment)")
-    parser.add_argument("--endpoint-url", default=None)
-    parser.add_argument("--credentials-env", default=None,
-                        help="prefix of the run store's credential variables (store.credentials_env)")
-    parser.add_argument("--run-id", required=True, help="run id")
-    parser.add_argument("--spec-sha256", required=True,
-                        help="sha256 of the run's spec as the control plane knows it; spec.json must match")
-    parser.add_argument("--learner", type=int, required=True, help="global learner index")
+    parser = learner_arguments("Run one Archipelago learner.")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process")
-    parser.add_argument("--until", type=datetime.fromisoformat, default=None,
-                        help="end of the island's capacity window (ISO 8601 with offset): stop cleanly before it")
-    parser.add_argument("--lease-term", type=int, default=None,
-                        help="the run's lease term of the lifecycle that started it: stop once a newer one holds the run")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    raw_spec = (ObjectStore(args.store, args.endpoint_url, credentials_env=args.credentials_env)
-                .child(f"runs/{args.run_id}").get_json(layout.SPEC))
-    if spec_sha256(raw_spec) != args.spec_sha256:
-        sys.exit(f"learner {args.learner}: the spec.json of run {args.run_id} is not the spec the control plane "
-                 f"started this learner with (sha256 {spec_sha256(raw_spec)[:16]}, expected "
-                 f"{args.spec_sha256[:16]}): someone else wrote it; refusing to train on it")
-    spec = RunSpec.model_validate(raw_spec)
+    spec = started_spec(args)
     watchdog.arm(spec.learner_stall_limit_s, f"learner {args.learner} (rank {rank})")
     faults = store_faults(spec, args.learner)
     island = spec.learners[args.learner].island.name
