@@ -125,7 +125,7 @@ def test_the_plan_flow_publishes_the_windows_table_and_timeline(prefect_api):
             return {a.key: a for a in artifacts}
 
     artifacts = asyncio.run(read_and_remove())
-    assert set(artifacts) == {"plan", "plan-windows", "plan-timeline"}
+    assert set(artifacts) == {"plan", "plan-memory", "plan-windows", "plan-timeline"}
     assert "| west | 0 | 2026-12-10 10:00:30 | 2026-12-10 10:10:00 | Europe/Paris | 4 |" in artifacts["plan-windows"].data
     assert artifacts["plan-timeline"].type == "image"
     assert artifacts["plan-timeline"].data.startswith("data:image/png;base64,")

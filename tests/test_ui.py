@@ -168,6 +168,7 @@ def ui_stack(tmp_path_factory):
                     {**TINY["islands"][1], "processes_per_learner": 1}],
         "sync": {**TINY["sync"], "rounds": 2},
         "store": {"url": str(root / "store")},
+        "tracking": {"backend": "tensorboard", "uri": str(root / "tensorboard")},
         "faults": [{"kind": "fail_stage", "stage": "evaluate"}]})
     OUTPUT.mkdir(parents=True, exist_ok=True)
     with served(spec, free_port(), root / "prefect-home", root) as (api_url, _):
@@ -206,7 +207,8 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
             tasks = await client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[retried.id])))
             artifacts = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(
                 any_=["bpb-table", "bpb-curve", "bpb-vs-tokens", "communication", "utilisation", "run-report",
-                      "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1", "plan-vs-measured"])))
+                      "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1", "plan-vs-measured",
+                      "tracker-run"])))
             return deployment, done, segments, retried, tasks, artifacts
 
     deployment, done, segments, retried, tasks, artifacts = asyncio.run(scenario())
@@ -226,7 +228,8 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
         "start-run", "prepare-data", "segments-east", "segments-west", "consolidate", "train-standard-baseline"}
     by_key = {a.key: a for a in artifacts}
     assert set(by_key) == {"bpb-table", "bpb-curve", "bpb-vs-tokens", "communication", "utilisation", "run-report",
-                           "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1", "plan-vs-measured"}
+                           "bpb-vs-tokens-png", "progress-learner-0", "progress-learner-1", "plan-vs-measured",
+                           "tracker-run"}
     assert "| inter-island exchange bytes |" in by_key["plan-vs-measured"].data
     assert by_key["bpb-vs-tokens"].data.startswith("data:image/png;base64,")
     assert by_key["bpb-vs-tokens-png"].data.startswith("[bpb-vs-tokens.png in the run's store](file://")
@@ -259,6 +262,14 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
     table_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-table'].id}", OUTPUT / "5-bpb-table.png",
                         ["islands_bpb"], auth_string)
     assert "islands_bpb" in table_page and "prose" in table_page and "code" in table_page
+    # ...and, with tracking on, the link to the run's tracker run, whose event files the islands wrote.
+    tracker = by_key["tracker-run"]
+    tracker_page = render(f"{ui}/artifacts/artifact/{tracker.id}", OUTPUT / "6-tracker-run.png",
+                          [f"tensorboard run {run_id}"], auth_string)
+    link = re.fullmatch(r"\[(.+)\]\((file://\S+)\)", tracker.data)
+    assert link and link[1] == f"tensorboard run {run_id}" and link[2].endswith(f"/tensorboard/{run_id}")
+    assert f"tensorboard run {run_id}" in tracker_page and f'href="{link[2]}"' in tracker_page
+    assert list((Path(spec.tracking.uri) / run_id).rglob("events.out.tfevents.*"))
     assert all((OUTPUT / f).stat().st_size > 10_000 for f in (
         "0-run-form.png", "1-run.png", "2-lifecycle-task-graph.png", "3-east-segment.png", "4-bpb-vs-tokens.png",
-        "5-bpb-table.png"))
+        "5-bpb-table.png", "6-tracker-run.png"))
