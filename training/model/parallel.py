@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from training.model.inner import average_gradients
-from training.model.params import unflatten_into
+from training.model.params import flat_of, unflatten_into
 
 
 def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -77,16 +77,21 @@ class LearnerParallelism:
         """A full (unsharded) copy of `tensor` on the CPU, on rank 0; None on the other ranks. Every rank
         calls it for a sharded tensor (the shards are all-gathered); a rank other than 0 of a data-parallel
         learner may skip it."""
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        return full.detach().to("cpu", copy=True) if self.rank == 0 else None
+        return self._full_on_cpu(tensor, copy=True)
 
     def gather(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """`tensors` as one flat vector in their order (the canonical layout) on the CPU, on rank 0; None
-        on the other ranks. Called as `full_copy` is."""
+        on the other ranks. Called as `full_copy` is. Each full tensor reaches the CPU before the next is
+        gathered, so a device holds one at a time; the vector is the one copy made."""
         if not self.sharded and self.rank != 0:
             return None
-        pieces = [self.full_copy(t) for t in tensors]
-        return torch.cat([p.reshape(-1) for p in pieces]) if self.rank == 0 else None
+        pieces = [self._full_on_cpu(t, copy=False) for t in tensors]
+        return flat_of(pieces) if self.rank == 0 else None
+
+    def _full_on_cpu(self, tensor: torch.Tensor, copy: bool) -> torch.Tensor | None:
+        """The full `tensor` on the CPU (a copy if `copy`, else possibly the tensor itself), on rank 0."""
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        return full.detach().to("cpu", copy=copy) if self.rank == 0 else None
 
     @torch.no_grad()
     def scatter(self, vector: torch.Tensor | None, targets: Sequence[torch.Tensor]) -> None:
