@@ -116,10 +116,11 @@ def await_endpoint(store: ObjectStore, learner: int, life: int, wrapper: tuple[s
                 return number, endpoint
             passed_over.add(number)
             continue
-        if time.monotonic() >= deadline or give_up():
+        gave_up = give_up()
+        if gave_up or time.monotonic() >= deadline:
             raise RendezvousTimeout(
                 f"learner {learner}: node 0 published no rendezvous address that answers for life {life} or later "
-                f"{'before it ended' if give_up() else f'within {timeout_s:.0f} s'} (it publishes {layout.rendezvous(learner, life)} in {store.url} once its "
+                f"{'before it ended' if gave_up else f'within {timeout_s:.0f} s'} (it publishes {layout.rendezvous(learner, life)} in {store.url} once its "
                 f"torchrun listens; passed over: {sorted(passed_over) or 'none'})")
         time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
         poll_s = min(poll_s * 1.5, 2.0)
