@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+from infra.s3 import CREDENTIAL_VARIABLES
 from infra.spec import IslandSpec, RunSpec
 from infra.stores import island_credential_prefixes
 
@@ -20,8 +21,9 @@ from infra.stores import island_credential_prefixes
 # which environment or resources.
 RUN_VARIABLES = ("name", "backoff_limit", "finished_job_ttl", "job_watch_timeout_seconds",
                  "pod_watch_timeout_seconds", "stream_output")
-# The S3 key a store's credentials_env prefixes (infra.s3.credentials_from_env reads these two).
-_KEY_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")
+# The S3 key a store's credentials_env prefixes (infra.s3.credentials_from_env reads these two; the
+# session token is optional, and a pod cannot reference a Secret's key that is not there).
+_KEY_VARIABLES = CREDENTIAL_VARIABLES[:2]
 
 
 def _island(spec: RunSpec, name: str) -> IslandSpec:
@@ -49,10 +51,11 @@ def kubernetes_job_template(spec: RunSpec, island: str) -> dict:
     """The base job template of `island`'s Kubernetes work pool."""
     from prefect_kubernetes.worker import KubernetesWorker
 
-    pool = _island(spec, island).pool
+    spec_island = _island(spec, island)
+    pool, secret = spec_island.pool, store_secret(spec, island)
     template = copy.deepcopy(KubernetesWorker.get_default_base_job_template())
     configuration, variables = template["job_configuration"], template["variables"]
-    env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": store_secret(spec, island), "key": name}}}
+    env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}}
            for name in store_key_variables(spec, island)]
     for name in ("command", "labels", "annotations", "cluster_config"):
         del configuration[name]
@@ -63,7 +66,7 @@ def kubernetes_job_template(spec: RunSpec, island: str) -> dict:
     (container,) = pod["containers"]
     del container["args"]
     requests = {name: value for name, value in (("cpu", pool.cpu), ("memory", pool.memory)) if value}
-    limits = {pool.gpu_resource: gpus} if (gpus := pod_gpus(_island(spec, island))) else {}
+    limits = {pool.gpu_resource: gpus} if (gpus := pod_gpus(spec_island)) else {}
     container.update(image=pool.image, imagePullPolicy=pool.image_pull_policy, env=env,
                      resources={key: value for key, value in (("requests", requests), ("limits", limits)) if value},
                      securityContext={"allowPrivilegeEscalation": False},

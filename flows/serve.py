@@ -305,8 +305,10 @@ def serve(spec: RunSpec, port: int, home: Path, log_dir: Path) -> None:
               f"user:password); clients and workers read it from ${AUTH_STRING_ENV}", flush=True)
         for name, deployment_id in deployments.items():
             print(f"  deployment {name}: {ui}/deployments/deployment/{deployment_id}", flush=True)
-        print(f"  work pools: {', '.join(process_pools(spec))} (one worker each); logs in {log_dir}", flush=True)
-        if cluster := [pool for pool in pools_of(spec) if pool not in process_pools(spec)]:
+        kinds = pools_of(spec)
+        print(f"  work pools: {', '.join(p for p, k in kinds.items() if k == 'process')} (one worker each); "
+              f"logs in {log_dir}", flush=True)
+        if cluster := [pool for pool, kind in kinds.items() if kind != "process"]:
             print(f"  kubernetes pools: {', '.join(cluster)} (their workers run in the clusters)", flush=True)
         print("Ctrl-C stops the server and the workers.", flush=True)
         signal.signal(signal.SIGTERM, _interrupt)
