@@ -33,12 +33,13 @@ from training.learner.ledger import read_summaries
 logger = logging.getLogger(__name__)
 
 # The series each learner gets, under `<metric>/<island>/learner-<index>`, at step = the round. A
-# round's own: its mean inner loss and its tokens over its seconds computing and syncing.
-ROUND_METRICS = ("loss", "tokens_per_s")
-# An exchange's, at the round it exchanged: seconds the learner waited for it, message bytes it read
-# over each link class and wrote, partners' messages that never came or were refused.
-EXCHANGE_METRICS = ("seconds_blocked", "bytes_read_intra", "bytes_read_inter", "bytes_written",
-                    "missed_exchanges", "refused_messages")
+# round's own (`learner_points`): its mean inner loss (`loss`) and its tokens over its seconds computing
+# and syncing (`tokens_per_s`). An exchange's, at the round it exchanged, by the ledger entry's field
+# it comes from: seconds the learner waited for it, message bytes it read over each link class and
+# wrote, partners' messages that never came or were refused.
+EXCHANGE_METRICS = {"seconds_blocked": "blocked_s", "bytes_read_intra": "bytes_read_intra",
+                    "bytes_read_inter": "bytes_read_inter", "bytes_written": "bytes_sent",
+                    "missed_exchanges": "missed", "refused_messages": "refused"}
 # The report's communication totals, under `communication/<name>`.
 COMMUNICATION_TOTALS = ("inter_island_bytes", "intra_island_bytes", "bytes_written", "checkpoint_bytes",
                         "allreduce_equivalent_bytes", "inter_island_reduction")
@@ -77,10 +78,7 @@ def learner_points(island: str, learner: int, tokens_per_round: int, rounds: lis
         if seconds > 0:
             points.append(Point(f"tokens_per_s/{tag}", tokens_per_round / seconds, entry["round"]))
     for entry in exchanges:
-        values = {"seconds_blocked": entry["blocked_s"], "bytes_read_intra": entry["bytes_read_intra"],
-                  "bytes_read_inter": entry["bytes_read_inter"], "bytes_written": entry["bytes_sent"],
-                  "missed_exchanges": entry["missed"], "refused_messages": entry["refused"]}
-        points.extend(Point(f"{metric}/{tag}", values[metric], entry["round"]) for metric in EXCHANGE_METRICS)
+        points.extend(Point(f"{metric}/{tag}", entry[field], entry["round"]) for metric, field in EXCHANGE_METRICS.items())
     return points
 
 

@@ -153,11 +153,12 @@ class Learner:
             round_seconds = time.monotonic() - round_started
             if self.rank == 0:
                 done, elapsed = t + 1 - self.start_round, time.monotonic() - started
+                # The ledger entries of the round go along only for a tracker (the relay's only use of them).
+                tracked = {"booked": self.ledger.booked_since(booked)} if self.spec.tracking.backend != "none" else {}
                 emit("round", learner=self.slot.index, island=self.slot.island.name, round=t,
                      rounds=self.spec.sync.rounds, loss=round(loss, 4),
                      tokens_per_s=round(done * self.slot.tokens_per_round() / elapsed),
-                     eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1),
-                     booked=self.ledger.booked_since(booked))
+                     eta_s=round((self.spec.sync.rounds - t - 1) * elapsed / done, 1), **tracked)
             if self._window_cut_short(t):
                 self._window_closed(t + 1, "now (fault 'close_window')")
                 return False
