@@ -229,6 +229,7 @@ class Receipt:
     link: str = "intra"
     bytes_read: int = 0
     corrupt: bool = False
+    refused: bool = False  # the message came and was refused: damaged, or failing a peer message's checks
 
 
 @dataclass
@@ -248,6 +249,7 @@ class ExchangeResult:
     bytes_read: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
     missed: list[dict] = field(default_factory=list)
     corrupt_reads: int = 0
+    refused: int = 0  # peers' messages that came and were refused
     anchor: torch.Tensor | None = None  # the fragment's next anchor: the mix after the outer step
     outer_state: tuple[dict[str, torch.Tensor], dict] | None = None  # the outer optimizer's, after that step
     # The fragment's weights after the exchange where they are not its anchor (hierarchical rounds that
@@ -398,9 +400,9 @@ class Exchanger:
                 return self._missed(peer, round_index, "skipped by the peer's restart" if skipped else "deadline")
             payload, meta, nbytes = fetched
         except IntegrityError as err:
-            return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True)
+            return self._missed(peer, round_index, f"corrupt: {err}", corrupt=True, refused=True)
         except MalformedMessage as err:
-            return self._missed(peer, round_index, f"refused: {err}")
+            return self._missed(peer, round_index, f"refused: {err}", refused=True)
         except StoreError as err:  # the peer's store is out of reach: its site, or the link
             return self._missed(peer, round_index, f"unreachable: {err}")
         try:
@@ -410,7 +412,7 @@ class Exchanger:
             if own is not None:
                 check_bounds(message, own)
         except MessageRejected as err:
-            return self._missed(peer, round_index, f"refused: {err}", link=link, bytes_read=nbytes)
+            return self._missed(peer, round_index, f"refused: {err}", link=link, bytes_read=nbytes, refused=True)
         return Receipt(peer, Received(peer, message, expected.tokens), link=link, bytes_read=nbytes)
 
     # -- state ----------------------------------------------------------------------------------
@@ -546,6 +548,7 @@ class Exchanger:
         watchdog.progress()
         result.bytes_read[receipt.link] += receipt.bytes_read
         result.corrupt_reads += receipt.corrupt
+        result.refused += receipt.refused
         if receipt.message is None:
             result.missed.append({"round": round_index, "peer": receipt.peer, "reason": receipt.reason,
                                   **({"crossing": True} if crossing else {})})

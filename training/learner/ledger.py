@@ -16,11 +16,6 @@ from infra.store import IntegrityError, ObjectExists, ObjectMissing, StoreError
 from infra.stores import RunStores
 
 
-# A missed exchange whose message arrived and was refused (`training.exchange.exchanger.Exchanger.receive`'s
-# reasons): damaged, or failing the checks a peer's message must pass.
-REFUSED_REASONS = ("refused", "corrupt")
-
-
 @dataclass
 class Ledger:
     bytes_written: int = 0  # messages
@@ -67,7 +62,7 @@ class Ledger:
                                "bytes_read_inter": result.bytes_read["inter"],
                                "peers": [r.peer for r in result.received], "blocked_s": blocked_s,
                                "missed": len(result.missed),
-                               "refused": sum(1 for m in result.missed if m["reason"].startswith(REFUSED_REASONS)),
+                               "refused": result.refused,
                                "seconds": dict(result.seconds)})
 
     def mark(self) -> tuple[int, int]:
