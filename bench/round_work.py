@@ -1,0 +1,167 @@
+"""What cheaper round work costs in quality: configs/brief.yaml's recipe (8 learners, 2,457,600 tokens)
+with its outer step's settings varied, scored on the validation split only.
+
+A round's own work besides its inner steps is mostly the Shampoo outer step, and most of that is the
+inverse roots (`training.exchange.outer`); `archipelago plan --profile-run` says how much. Each variant
+here lays its overrides over configs/brief.yaml and trains through bench/quality.py's `run_arm`, the
+lifecycle's own stages. The recipe's own arm (`recipe`) is the reference: a variant is within the
+issue's bound when its mean validation bpb over seeds 0, 1, 2 is within 0.5% of the recipe's.
+
+Arms, in order: every variant on seed 0, then seeds 1 and 2 of the recipe and of each variant named
+with `--seeds-of`. Each arm holds /work/cpu.lock while it trains and writes `arms/<arm>.json`, so a
+rerun resumes arm by arm; progress with an ETA goes to `progress.log`; `summary.json` and
+docs/results/round-work.md are rebuilt after every arm.
+
+    .venv/bin/python -m bench.round_work                          # seed 0 of every variant
+    .venv/bin/python -m bench.round_work --seeds-of roots-every-4  # and seeds 1, 2 of it and the recipe
+    .venv/bin/python -m bench.round_work --table                  # only rebuild the page
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import quality
+from bench.brief import BriefArm, merged
+from bench.harness import Log, cpu_lock
+from bench.results_page import recorded, write_results_page
+from infra.spec import RunSpec, parse_spec
+
+RESULTS = Path("bench/results/brief/round_work")
+CPU_LOCK = Path("/work/cpu.lock")
+BOUND = 0.005  # the issue's: validation bpb within 0.5% of the recipe's, mean of 3 seeds
+
+# name: (what it changes, overrides laid over configs/brief.yaml)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "recipe": ("configs/brief.yaml as it is", {}),
+    "roots-every-4": ("Shampoo's inverse roots every 4th outer step",
+                      {"sync": {"outer": {"shampoo": {"preconditioning_compute_steps": 4}}}}),
+    "blocks-128": ("Shampoo blocks of 128 (its statistics split into 128 x 128 blocks)",
+                   {"sync": {"outer": {"shampoo": {"block_size": 128}}}}),
+    "blocks-128-roots-every-4": ("blocks of 128, inverse roots every 4th outer step",
+                                 {"sync": {"outer": {"shampoo": {"block_size": 128, "preconditioning_compute_steps": 4}}}}),
+    "nesterov": ("outer Nesterov SGD at the recipe's rate and momentum: Shampoo's direction dropped",
+                 {"sync": {"outer": {"name": "nesterov"}}}),
+}
+
+
+@dataclass(frozen=True)
+class VariantArm(BriefArm):
+    """The brief's islands arm with a variant's overrides."""
+
+    variant: str = "recipe"
+
+    @property
+    def name(self) -> str:
+        return f"{self.variant}-s{self.seed}"
+
+    def spec(self) -> RunSpec:
+        return parse_spec(merged(self.raw(), VARIANTS[self.variant][1]))
+
+
+def arm_path(name: str) -> Path:
+    return RESULTS / "arms" / f"{name}.json"
+
+
+def load_results() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / "arms").glob("*.json"))}
+
+
+def planned(seeds_of: list[str]) -> list[VariantArm]:
+    arms = [VariantArm("islands", 0, variant=v) for v in VARIANTS]
+    for variant in ["recipe", *seeds_of]:
+        arms += [VariantArm("islands", seed, variant=variant) for seed in quality.SEEDS[1:]]
+    return list(dict.fromkeys(arms))
+
+
+def run(seeds_of: list[str], log: Log) -> None:
+    durations: list[float] = []
+    todo = [arm for arm in planned(seeds_of) if arm.name not in load_results()]
+    for done, arm in enumerate(todo):
+        with cpu_lock(CPU_LOCK):
+            started = time.monotonic()
+            log(f"arm {arm.name} started ({done} of {len(todo)} done): {VARIANTS[arm.variant][0]}")
+            result = quality.run_arm(arm, log)
+            result["variant"] = arm.variant
+            arm_path(arm.name).parent.mkdir(parents=True, exist_ok=True)
+            arm_path(arm.name).write_text(json.dumps(result, indent=1))
+        durations.append(time.monotonic() - started)
+        log(f"arm {arm.name} done in {durations[-1]:.0f} s: validation {quality.fmt(result['validation_bpb'])}; "
+            f"ETA {statistics.mean(durations) * (len(todo) - done - 1) / 60:.0f} min")
+        write_page(log)
+
+
+def summary(results: dict[str, dict]) -> dict:
+    """Per variant: per-seed validation bpb, and where the recipe has the same seeds, the relative change of the means."""
+    variants = {}
+    for variant, (what, overrides) in VARIANTS.items():
+        runs = sorted((r for r in results.values() if r.get("variant") == variant), key=lambda r: r["seed"])
+        if not runs:
+            continue
+        seeds = [r["seed"] for r in runs]
+        entry = {"what": what, "overrides": overrides, "seeds": seeds,
+                 "validation_bpb": {e: [r["validation_bpb"][e] for r in runs] for e in runs[0]["validation_bpb"]},
+                 "train_seconds": [r["train_seconds"] for r in runs]}
+        reference = [results.get(f"recipe-s{seed}") for seed in seeds]
+        if variant != "recipe" and all(reference):
+            entry["relative_to_recipe"] = {
+                e: statistics.fmean(values) / statistics.fmean(r["validation_bpb"][e] for r in reference) - 1
+                for e, values in entry["validation_bpb"].items()}
+            entry["within_bound"] = len(seeds) == len(quality.SEEDS) and all(
+                abs(v) <= BOUND for v in entry["relative_to_recipe"].values())
+        variants[variant] = entry
+    return {**recorded(list(results.values())), "bound": BOUND, "tokens": next(iter(results.values()))["tokens"],
+            "variants": variants}
+
+
+def page(table: dict) -> str:
+    lines = ["# Cheaper round work: what it costs in quality",
+             "",
+             "configs/brief.yaml's recipe (8 learners, 2 islands) with its outer step's settings varied, "
+             f"{table['tokens']:,} tokens, validation split only. A variant qualifies when the mean of seeds 0, 1, 2 "
+             f"is within {BOUND:.1%} of the recipe's on both evaluations.",
+             "",
+             "| variant | what it changes | seeds | code | prose | code vs recipe | prose vs recipe | train s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, entry in table["variants"].items():
+        bpb, rel = entry["validation_bpb"], entry.get("relative_to_recipe", {})
+        lines.append(f"| {name} | {entry['what']} | {', '.join(map(str, entry['seeds']))} | "
+                     f"{statistics.fmean(bpb['code']):.4f} | {statistics.fmean(bpb['prose']):.4f} | "
+                     + " | ".join(f"{rel[e]:+.2%}" if e in rel else "-" for e in ("code", "prose"))
+                     + f" | {statistics.fmean(entry['train_seconds']):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_page(log: Log | None = None) -> None:
+    results = load_results()
+    if not results:
+        return
+    table = summary(results)
+    (RESULTS / "summary.json").write_text(json.dumps(table, indent=1))
+    write_results_page("round-work", page(table), sources=str(RESULTS), command="python -m bench.round_work --table",
+                       commit=table["commit"], date=table["date"])
+    if log:
+        log(f"wrote {RESULTS / 'summary.json'} and docs/results/round-work.md")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds-of", nargs="*", default=[], choices=list(VARIANTS),
+                        help="variants to run on seeds 1 and 2 as well (the recipe always is)")
+    parser.add_argument("--table", action="store_true", help="only rebuild the summary and the page")
+    args = parser.parse_args(argv)
+    if args.table:
+        write_page()
+        return 0
+    run(args.seeds_of, Log(RESULTS / "progress.log"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
