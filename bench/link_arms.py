@@ -26,6 +26,7 @@ OUTAGE_PARTNER_TIMEOUT_S = 5.0
 def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
+    from eval.curve import islands_heldout_curve
     from eval.evaluate import heldout_bpb
     from eval.report import allreduce_equivalent, store_bytes
     from infra import layout
@@ -66,6 +67,10 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
     consensus = consolidate(spec, store)
     bpb = heldout_bpb(spec, store, layout.CONSOLIDATED)
     summaries = read_summaries(spec, store)
+    round_ended: dict[int, float] = {}  # when the last learner ended each round (Unix seconds)
+    for s in summaries:
+        for r in s.rounds:
+            round_ended[r["round"]] = max(round_ended.get(r["round"], 0.0), r["ended_at"])
     remote = [s for s in summaries if s.island != plan.server.island]
     computing = sum(s.seconds_computing for s in summaries)
     syncing = sum(s.seconds_syncing for s in summaries)
@@ -102,7 +107,12 @@ def run_islands(spec, plan: LinkPlan, arm: str, api_url: str) -> dict:
         "utilisation": steady_utilisation(summaries),
         "round_ends_s": round_ends(summaries),
         "utilisation_round_loop": computing / (computing + syncing),
-        "bpb": bpb, "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
+        "bpb": bpb,
+        # The islands' model along the run, on every held-out byte, with when its round ended after the
+        # segments' scheduled start: when they reach a bpb (bench.shaped_link's time to quality).
+        "heldout_curve": [{**point, "seconds": round(round_ended[point["round"]] - start_at.timestamp(), 2)}
+                          for point in islands_heldout_curve(spec, store)],
+        "consensus": {k: consensus[k] for k in ("max_weight_distance", "max_pairwise_distance")},
         "missed_exchanges": sum(len(s.missed_exchanges) for s in summaries),
         "store_retries": sum(s.store.get("retries", 0) for s in summaries),
     }

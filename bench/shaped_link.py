@@ -255,9 +255,11 @@ def drive(job: dict) -> int:
     configs = {**job["configs"], OUTAGE_ARM: job["configs"].get("butterfly")}
     results = {arm: {**arm_result(configs[arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
                                                                      else {})} for arm, arm_runs in runs.items()}
-    document = {**provenance(), "link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
+    results_targets = targets(results)
+    reached = results_targets.get("time_to_quality", {})
+    document = {**provenance(), "time_to_quality_ratio": reached.get("ratio"), "link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
                          "island_stores": sorted(island_stores)},
-                "arms": results, "targets": targets(results), "bench_seconds": time.monotonic() - started}
+                "arms": results, "targets": results_targets, "bench_seconds": time.monotonic() - started}
     out = Path(job["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(document, indent=2) + "\n")
@@ -289,6 +291,8 @@ def targets(results: dict) -> dict:
         out["butterfly_bytes_reduction_counted"] = (median("standard", lambda r: r["inter_island_bytes_counted"]) / counted
                                                     if counted else None)
         out["reduction_target"] = 500
+    if "standard" in results and "butterfly" in results:
+        out["time_to_quality"] = time_to_quality(results["standard"]["runs"], results["butterfly"]["runs"])
     if "butterfly" in results:
         out["butterfly_utilisation"] = statistics.median(results["butterfly"]["utilisation"])
         out["utilisation_target"] = TARGET_UTILISATION
@@ -299,6 +303,39 @@ def targets(results: dict) -> dict:
             (r["inter_island_bytes_measured"]["total"] - r["control_plane_bytes"]) / r["inter_island_bytes_counted"]
             for r in results["butterfly"]["runs"])
     return out
+
+
+def time_to_quality(standard_runs: list[dict], islands_runs: list[dict]) -> dict:
+    """How long the islands take to reach per-step all-reduce's final held-out bpb on every evaluation, over
+    that standard run's own wall time (medians over runs). An islands run reaches a bpb where its held-out
+    curve crosses it, linearly between curve points; one that never does gives None, and `final_gap` says
+    by how much its last point missed (its bpb over the target, less one, on the worst evaluation)."""
+    finals = [r["bpb"] for r in standard_runs if r.get("bpb")]
+    if not finals or not all(r.get("heldout_curve") for r in islands_runs):
+        return {"ratio": None, "why": "the standard arm ran a subset of its steps (--dp-max-steps) or the islands "
+                                      "arm kept no held-out curve: no bpb to reach, or no times to reach it"}
+    target = {e: statistics.median(f[e] for f in finals) for e in finals[0]}
+    standard_wall = statistics.median(r["wall_seconds"] for r in standard_runs if r.get("bpb"))
+
+    def reached_at(curve: list[dict], evaluation: str) -> float | None:
+        for before, point in zip([None, *curve], curve):
+            if point["bpb"][evaluation] <= target[evaluation]:
+                if before is None:
+                    return point["seconds"]
+                fall = (before["bpb"][evaluation] - target[evaluation]) / (before["bpb"][evaluation] - point["bpb"][evaluation])
+                return before["seconds"] + fall * (point["seconds"] - before["seconds"])
+        return None
+
+    seconds = []
+    for run in islands_runs:
+        per_evaluation = [reached_at(run["heldout_curve"], e) for e in target]
+        seconds.append(None if None in per_evaluation else max(per_evaluation))
+    final_gap = max(statistics.median(r["heldout_curve"][-1]["bpb"][e] for r in islands_runs) / target[e] - 1
+                    for e in target)
+    reached = [s for s in seconds if s is not None]
+    return {"ratio": statistics.median(reached) / standard_wall if len(reached) == len(seconds) else None,
+            "islands_seconds": seconds, "standard_wall_s": standard_wall, "target_bpb": target,
+            "final_gap": final_gap}
 
 
 if __name__ == "__main__":

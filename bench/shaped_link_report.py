@@ -93,6 +93,16 @@ def markdown(document: dict) -> str:
                   "counted (target: within 1.10x)"
                   + (f"; less Prefect's own traffic, {t['butterfly_link_less_prefect_over_exchanges']:.2f}x."
                      if "butterfly_link_less_prefect_over_exchanges" in t else ".")]
+    reach = t.get("time_to_quality")
+    if reach and reach.get("target_bpb"):
+        target = ", ".join(f"{e} {b:.4f}" for e, b in reach["target_bpb"].items())
+        lines += [f"Time to quality: per-step all-reduce ends at held-out bpb {target} in {reach['standard_wall_s']:.0f} s; "
+                  + (f"the butterfly arm reaches it in {statistics.median(reach['islands_seconds']):.0f} s, "
+                     f"{reach['ratio']:.2f}x that wall time (goal at most 0.5x)." if reach["ratio"] is not None else
+                     f"the butterfly arm does not reach it in every run (seconds per run: {reach['islands_seconds']}); "
+                     f"its last point is {reach['final_gap']:+.1%} from it on its worst evaluation.")]
+    elif reach:
+        lines += [f"Time to quality: not measured ({reach['why']})."]
     if plain and "inter_island_polls" in plain:
         lines += [f"Store requests across the link per butterfly run: {plain['inter_island_messages_read']} message "
                   "reads, each its commit and one part, the commit brought by the last of its polls (polls per run: "

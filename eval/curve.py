@@ -12,6 +12,7 @@ scores every held-out byte of the final models.
 from __future__ import annotations
 
 from eval.bpb import bits_per_byte
+from eval.evaluate import score_sets
 from infra import layout
 from infra.spec import RunSpec
 from infra.store import IntegrityError
@@ -54,13 +55,26 @@ def _curve_stream(spec: RunSpec, store, entry: dict):
     return stream[:ends[whole - 1]], entry["document_bytes"][:whole]
 
 
+def islands_heldout_curve(spec: RunSpec, store) -> list[dict]:
+    """The islands' model after each curve round scored on every held-out byte, as the report scores the
+    final models (for when they reach a given bpb): [{"round", "tokens", "bpb": {eval name: bpb}}]."""
+    heldout = store.get_json(layout.DATA_MANIFEST)["heldout"]
+    points = []
+    for r in curve_rounds(spec.sync.rounds, spec.evaluation.curve_points):
+        model, tokens = _islands_model(spec, store, r)
+        if model is not None:
+            points.append({"round": r, "tokens": tokens,
+                           "bpb": {name: result["bpb"] for name, result in score_sets(spec, store, model, heldout).items()}})
+    return points
+
+
 def evaluate_curve(spec: RunSpec, store) -> list[dict]:
     """[{"arm", "tokens", "eval", "bpb"}] for both arms (the islands alone without a baseline) at matching
     token counts."""
     manifest = store.get_json(layout.DATA_MANIFEST)
     streams = {name: _curve_stream(spec, store, entry) for name, entry in manifest["heldout"].items()}
     models = []
-    for r in curve_rounds(spec.sync.rounds):
+    for r in curve_rounds(spec.sync.rounds, spec.evaluation.curve_points):
         model, tokens = _islands_model(spec, store, r)
         if model is not None:
             models.append(("islands", tokens, model))

@@ -14,10 +14,14 @@ def score_model(spec: RunSpec, store, key: str, splits: tuple[str, ...] = ("held
     (`heldout` for reporting, `validation` for tuning), and the tokens it was trained on."""
     manifest = store.get_json(layout.DATA_MANIFEST)
     model, meta = load_model(spec, store, key)
-    scores = {split: {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len,
-                                          spec.evaluation.batch_size, spec.separator, entry.get("document_bytes"))
-                      for name, entry in manifest[split].items()} for split in splits}
-    return {"tokens": meta.get("tokens"), **scores}
+    return {"tokens": meta.get("tokens"), **{split: score_sets(spec, store, model, manifest[split]) for split in splits}}
+
+
+def score_sets(spec: RunSpec, store, model, entries: dict) -> dict:
+    """{eval name: bpb result} of `model` over every byte of each set the manifest's `entries` name."""
+    return {name: bits_per_byte(model, read_stream(store, entry), spec.max_seq_len, spec.evaluation.batch_size,
+                                spec.separator, entry.get("document_bytes"))
+            for name, entry in entries.items()}
 
 
 def heldout_bpb(spec: RunSpec, store, key: str) -> dict[str, float]:

@@ -339,6 +339,10 @@ class EvaluationSpec(SpecModel):
                           "deployment, when the run's islands run as deployments) and its device, instead of "
                           "the control plane's CPU. Empty: on the control plane.")
     batch_size: int = Field(32, ge=1, le=MAX_BATCH, description="Windows per forward pass during evaluation.")
+    curve_points: int = Field(
+        4, ge=1, le=100, description="Points of the bpb-versus-tokens curve: the learners keep their weights after "
+                                     "this many evenly spread rounds (the last included), and standard training its "
+                                     "snapshots at the matching tokens.")
 
 
 class RunSpec(SpecModel):

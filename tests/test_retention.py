@@ -5,14 +5,17 @@ they need (local store and S3)."""
 import pytest
 import torch
 
-from eval.curve import evaluate_curve
+from eval.curve import evaluate_curve, islands_heldout_curve
+from eval.evaluate import score_sets
 from infra import layout
 from infra.derived import commit_derived
 from infra.store import ObjectStore
 from tests.learners import run_both
 from training.learner.loop import Learner
 from training.learner.ledger import Ledger
-from training.model.params import flat_parameters
+from training.exchange.mixing import weighted_mean
+from training.model.params import flat_parameters, load_flat_parameters
+from training.model.registry import build_model
 from training.learner.retention import Retention
 from training.model.schedule import curve_rounds
 from training.learner.state import Checkpointer
@@ -82,7 +85,7 @@ def test_a_run_leaves_a_bounded_footprint_and_a_restart_resumes_from_its_newest_
         assert checkpoints == due[-2:]  # a curve round's checkpoint is retired like any other
         assert messages == list(range(due[-2], rounds))  # both learners' newest checkpoints are the last two due
         # The curve's rounds keep the weights alone, committed and verified like every object.
-        for t in curve_rounds(rounds):
+        for t in curve_rounds(rounds, spec.evaluation.curve_points):
             tensors, meta, _ = store.read_committed(layout.curve_weights(i, t))
             assert set(tensors) == {"weights"} and meta["round"] == t
         final, _, checkpoint_bytes = store.read_committed(layout.checkpoint(i, rounds - 1))
@@ -92,8 +95,16 @@ def test_a_run_leaves_a_bounded_footprint_and_a_restart_resumes_from_its_newest_
     # standard arm, for which any stored model will do here.
     commit_derived(store, layout.BASELINE, {"weights": flat_parameters(learners[0].model)}, {"tokens": 1})
     points = evaluate_curve(spec, store)
+    # Scored on every held-out byte, the islands' last point is the final model's score.
+    heldout = islands_heldout_curve(spec, store)
+    assert [p["round"] for p in heldout] == curve_rounds(rounds, spec.evaluation.curve_points)
+    mean = build_model(spec)
+    load_flat_parameters(mean, weighted_mean([flat_parameters(learner.model) for learner in learners],
+                                             [spec.learners[i].tokens_per_round() for i in range(2)]))
+    final = score_sets(spec, store, mean, store.get_json(layout.DATA_MANIFEST)["heldout"])
+    assert heldout[-1]["bpb"] == {name: result["bpb"] for name, result in final.items()}
     assert sorted({p["tokens"] for p in points if p["arm"] == "islands"}) == \
-        [spec.learners[0].tokens_per_round() * 2 * (t + 1) for t in curve_rounds(rounds)]
+        [spec.learners[0].tokens_per_round() * 2 * (t + 1) for t in curve_rounds(rounds, spec.evaluation.curve_points)]
     restarted = Learner(spec, store, 0)
     restarted.resume()
     assert restarted.start_round == rounds and torch.equal(flat_parameters(restarted.model),

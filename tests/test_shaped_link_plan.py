@@ -117,3 +117,22 @@ def test_steady_utilisation_starts_once_every_learner_has_finished_a_round():
     late = learner([5.0, 6.0, 7.0, 8.0], compute=0.9)
     # Each counted from its first round ending at or after 5 s, when both had finished one: 4.5 compute s in 5 s.
     assert steady_utilisation([early, late]) == pytest.approx(0.9)
+
+
+def test_time_to_quality_interpolates_the_islands_curve_to_the_standard_arms_final_bpb():
+    from bench.shaped_link import time_to_quality
+    standard = [{"bpb": {"code": 3.0, "prose": 3.5}, "wall_seconds": 100.0},
+                {"bpb": {"code": 3.2, "prose": 3.7}, "wall_seconds": 120.0},
+                {"bpb": {"code": 3.0, "prose": 3.5}, "wall_seconds": 90.0}]  # medians: 3.0 / 3.5 in 100 s
+    reaching = {"heldout_curve": [{"seconds": 10.0, "bpb": {"code": 4.0, "prose": 4.0}},
+                                  {"seconds": 20.0, "bpb": {"code": 2.9, "prose": 3.4}}]}
+    reach = time_to_quality(standard, [reaching])
+    # code crosses 3.0 at 10 + 10 * 1.0 / 1.1 s, prose 3.5 earlier: the later of the two counts.
+    assert reach["ratio"] == pytest.approx((10 + 10 / 1.1) / 100)
+    short = {"heldout_curve": [{"seconds": 10.0, "bpb": {"code": 4.0, "prose": 4.0}},
+                               {"seconds": 20.0, "bpb": {"code": 3.3, "prose": 3.4}}]}
+    reach = time_to_quality(standard, [reaching, short])
+    assert reach["ratio"] is None and reach["islands_seconds"][1] is None
+    assert reach["final_gap"] == pytest.approx(((2.9 + 3.3) / 2) / 3.0 - 1)
+    extrapolated = [{**run, "bpb": None} for run in standard]
+    assert time_to_quality(extrapolated, [reaching])["ratio"] is None

@@ -75,7 +75,7 @@ class Learner:
         self.ledger = Ledger()
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.parallel)
         # The bpb curve scores the learners' weights after these rounds once training is over.
-        self.curve_rounds = set(curve_rounds(spec.sync.rounds))
+        self.curve_rounds = set(curve_rounds(spec.sync.rounds, spec.evaluation.curve_points))
         self.checkpoints = Checkpointer(self.store, self.transport, self.ledger,
                                         spec.sync.transport.checkpoint_in_background,
                                         Retention(self.stores.learner, index, len(spec.learners), spec.training.keep_checkpoints))

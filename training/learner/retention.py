@@ -7,7 +7,7 @@ they would grow with every round the run lasts. After each checkpoint it commits
   * its checkpoints older than the newest `training.keep_checkpoints` committed ones, those of the
     rounds the bpb curve scores included: the curve reads the weights-only objects of those rounds
     (`layout.curve_weights`), which are never retired: the curve is scored once training is over,
-    and they are `schedule.CURVE_POINTS` per learner however many rounds the run lasts;
+    and they are `evaluation.curve_points` per learner however many rounds the run lasts;
   * its messages of rounds before its own oldest kept checkpoint, once every other learner has
     checkpointed that round or a later one. A restarted learner resumes from its newest checkpoint
     (or, if that one does not verify, an older kept one) and reads only messages of that round and
