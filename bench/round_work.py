@@ -8,7 +8,7 @@ lifecycle's own stages. The recipe's own arm (`recipe`) is the reference: a vari
 issue's bound when its mean validation bpb over seeds 0, 1, 2 is within 0.5% of the recipe's.
 
 Arms, in order: every variant on seed 0, then seeds 1 and 2 of the recipe and of each variant named
-with `--seeds-of`. Each arm holds /work/cpu.lock while it trains and writes `arms/<arm>.json`, so a
+with `--seeds-of` (a variant worth them: within the bound on seed 0). Each arm holds /work/cpu.lock while it trains and writes `arms/<arm>.json`, so a
 rerun resumes arm by arm; progress with an ETA goes to `progress.log`; `summary.json` and
 docs/results/round-work.md are rebuilt after every arm.
 
@@ -44,8 +44,6 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                       {"sync": {"outer": {"shampoo": {"preconditioning_compute_steps": 4}}}}),
     "blocks-128": ("Shampoo blocks of 128 (its statistics split into 128 x 128 blocks)",
                    {"sync": {"outer": {"shampoo": {"block_size": 128}}}}),
-    "blocks-128-roots-every-4": ("blocks of 128, inverse roots every 4th outer step",
-                                 {"sync": {"outer": {"shampoo": {"block_size": 128, "preconditioning_compute_steps": 4}}}}),
     "nesterov": ("outer Nesterov SGD at the recipe's rate and momentum: Shampoo's direction dropped",
                  {"sync": {"outer": {"name": "nesterov"}}}),
 }
@@ -74,8 +72,9 @@ def load_results() -> dict[str, dict]:
 
 
 def planned(seeds_of: list[str]) -> list[VariantArm]:
+    """Seed 0 of every variant; with `seeds_of`, seeds 1 and 2 of those variants and of the recipe."""
     arms = [VariantArm("islands", 0, variant=v) for v in VARIANTS]
-    for variant in ["recipe", *seeds_of]:
+    for variant in ["recipe", *seeds_of] if seeds_of else []:
         arms += [VariantArm("islands", seed, variant=variant) for seed in quality.SEEDS[1:]]
     return list(dict.fromkeys(arms))
 
