@@ -40,6 +40,7 @@ import torch
 from bench.harness import Log, new_run, train_islands
 from bench.results_page import provenance, recorded, write_results_page
 from eval.bootstrap import paired_bootstrap
+from eval.curve import standard_heldout_curve
 from eval.evaluate import score_model
 from eval.report import communication
 from infra import layout
@@ -153,16 +154,24 @@ def validation_score(result: dict) -> float:
 def sweep(results: dict[str, dict], batch: int, start: tuple[float, ...]) -> tuple[list[Arm], float | None]:
     """The learning-rate sweep of standard training at `batch` on seed 0: the arms still to run, and the
     best learning rate once the best of the finished grid is interior (or the grid is at its limit)."""
+    return interior_sweep(results, lambda lr: Arm("standard", SWEEP_SEED, lr=lr, batch=batch), start)
+
+
+def interior_sweep(results: dict[str, dict], arm_at, start: tuple[float, ...], step: float = 2.0,
+                   limit: int = MAX_SWEEP_POINTS) -> tuple[list, float | None]:
+    """A one-setting sweep ranked on the validation split: `arm_at(value)` is the arm at a value of the
+    setting. Returns the arms still to run, and the best value once the best finished one is interior
+    (the grid grows by a factor `step` past whichever edge wins, up to `limit` points)."""
     grid = sorted(start)
     while True:
-        arms = [Arm("standard", SWEEP_SEED, lr=lr, batch=batch) for lr in grid]
-        todo = [a for a in arms if a.name not in results]
+        arms = {value: arm_at(value) for value in grid}
+        todo = [a for a in arms.values() if a.name not in results]
         if todo:
             return todo, None
-        best = min(arms, key=lambda a: validation_score(results[a.name]))
-        if len(grid) >= MAX_SWEEP_POINTS or grid[0] < best.lr < grid[-1]:
-            return [], best.lr
-        grid = [grid[0] / 2, *grid] if best.lr == grid[0] else [*grid, grid[-1] * 2]
+        best = min(grid, key=lambda value: validation_score(results[arms[value].name]))
+        if len(grid) >= limit or grid[0] < best < grid[-1]:
+            return [], best
+        grid = [grid[0] / step, *grid] if best == grid[0] else [*grid, grid[-1] * step]
 
 
 def nice(lr: float) -> float:
@@ -217,7 +226,9 @@ def plan(results: dict[str, dict]) -> Plan:
 
 # -- running an arm ----------------------------------------------------------------------------------
 
-def run_arm(arm: Arm, log: Log) -> dict:
+def run_arm(arm: Arm, log: Log, curve: bool = False) -> dict:
+    """Train and score one arm. `curve`: standard training's snapshots are scored on the held-out sets
+    too (`heldout_curve`), for how many tokens it needs to reach a bpb."""
     spec = arm.spec()
     run_id, store, manifest = new_run(spec, arm.name.replace(".", "p"))
     started = time.monotonic()
@@ -227,6 +238,8 @@ def run_arm(arm: Arm, log: Log) -> dict:
             f"  step {p['step']}/{p['steps']} loss {p['loss']:.3f} {p['tokens_per_s']:,} tok/s ETA {p['eta_s']:.0f} s")
             if p["step"] % 200 == 1 else None)
         key = layout.BASELINE
+        if curve:
+            extra["heldout_curve"] = standard_heldout_curve(spec, store)
     else:
         extra["consensus"] = train_islands(spec, run_id, log)
         # The learners' own byte counters, against a per-step fp32 all-reduce over the same learners.

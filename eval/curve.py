@@ -68,6 +68,19 @@ def islands_heldout_curve(spec: RunSpec, store) -> list[dict]:
     return points
 
 
+def standard_heldout_curve(spec: RunSpec, store) -> list[dict]:
+    """Standard training's snapshots and final model scored on every held-out byte:
+    [{"tokens", "bpb": {eval name: bpb}}] in token order (for how many tokens it needs to reach a bpb)."""
+    heldout = store.get_json(layout.DATA_MANIFEST)["heldout"]
+    keys = [key.removesuffix(".json") for key in store.list(layout.BASELINE_SNAPSHOTS) if key.endswith(".json")]
+    points = []
+    for key in keys + [layout.BASELINE]:
+        model, meta = load_model(spec, store, key)
+        points.append({"tokens": meta["tokens"],
+                       "bpb": {name: result["bpb"] for name, result in score_sets(spec, store, model, heldout).items()}})
+    return sorted(points, key=lambda point: point["tokens"])
+
+
 def evaluate_curve(spec: RunSpec, store) -> list[dict]:
     """[{"arm", "tokens", "eval", "bpb"}] for both arms (the islands alone without a baseline) at matching
     token counts."""

@@ -1,0 +1,377 @@
+"""Quality in an honest regime: the brief's 8 learners against standard training tuned as hard, at 20
+tokens per active parameter.
+
+Every arm trains the brief's sparse MoE (configs/brief.yaml's model and data) on 20 tokens per active
+parameter (the rounds of configs/brief.yaml scaled to that), and is scored in bits per byte on the
+same held-out documents, with the bits kept per document for a paired bootstrap. Arms:
+
+- `b`: standard training at its best global batch and learning rate: the learning rate swept per
+  batch, and the batch swept (halving or doubling past whichever edge wins) until both optima are
+  interior;
+- `c`: one learner (M=1) with the islands' rows per round, inner and outer optimizer: its inner
+  learning rate swept, then its outer learning rate;
+- `islands`: configs/brief-hierarchical.yaml (exact means inside each island, crossings between
+  them), its outer learning rate swept, then its inner learning rate;
+- `butterfly_today`: configs/brief.yaml as it is, untuned.
+
+Every sweep runs on seed 0 and ranks by the validation split only (the mean over its evaluations);
+the held-out sets never choose anything. The chosen settings then run on seeds 1 and 2. Standard
+training's held-out curve (its snapshots, scored on every held-out byte) says how many tokens it needs
+to reach a bpb: `token_ratio_to_c` is the tokens it needs to reach the islands' bpb over those it needs
+to reach (c)'s (interpolated in log tokens between points; beyond its last point, extrapolated from a
+line in log tokens through its last three, and marked so).
+
+Each arm holds /work/cpu.lock while it trains and writes `arms/<arm>.json`, so a rerun resumes arm
+by arm; progress with an ETA goes to `progress.log`; `summary.json` and docs/results/honest.md are
+rebuilt after every arm from whatever has finished.
+
+    .venv/bin/python -m bench.honest            # everything still to run, resuming
+    .venv/bin/python -m bench.honest --plan     # the arms known still to run
+    .venv/bin/python -m bench.honest --table    # only rebuild the summary and the page
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from bench import quality
+from bench.brief import merged
+from bench.harness import Log, cpu_lock
+from bench.results_page import recorded, write_results_page
+from infra.spec import RunSpec, parse_spec
+from training.model.registry import build_model
+
+RESULTS = Path("bench/results/honest")
+CPU_LOCK = Path("/work/cpu.lock")
+TOKENS_PER_ACTIVE_PARAMETER = 20
+CONFIGS = {"islands": Path("configs/brief-hierarchical.yaml"), "butterfly_today": Path("configs/brief.yaml")}
+SEEDS = quality.SEEDS
+SWEEP_SEED = quality.SWEEP_SEED
+FIRST_BATCH = 24
+FIRST_LEARNING_RATES = (2.5e-3, 5e-3, 1e-2)  # (b)'s sweep at FIRST_BATCH
+BATCH_LIMITS = (6, 192)
+OUTER_LEARNING_RATES = (0.7, 1.0, 1.4)
+INNER_FACTORS = (0.5, 1.0, 2.0)
+CURVE_POINTS = 10
+GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
+TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
+
+
+@functools.cache
+def honest_rounds(config: Path) -> int:
+    """The rounds in which `config`'s learners train 20 tokens per active parameter of its model."""
+    spec = parse_spec(yaml.safe_load(config.read_text()))
+    tokens = TOKENS_PER_ACTIVE_PARAMETER * build_model(spec).parameter_counts()["active"]
+    return math.ceil(tokens / sum(slot.tokens_per_round() for slot in spec.learners))
+
+
+def recipe(config: Path, seed: int) -> dict:
+    """`config` at 20 tokens per active parameter: its rounds scaled, its store the benchmark's."""
+    raw = yaml.safe_load(config.read_text())
+    raw["seed"] = seed
+    raw["sync"]["rounds"] = honest_rounds(config)
+    raw["store"] = {"url": str(RESULTS / "store")}
+    raw.setdefault("evaluation", {})["curve_points"] = CURVE_POINTS
+    return raw
+
+
+@dataclass(frozen=True)
+class HonestArm:
+    """One run. `kind`: "standard" (b), "single" (c), "islands" or "butterfly_today"; `lr`: standard
+    training's learning rate, or the learners' inner one (None: the recipe's); `outer_lr`: the learners'
+    outer learning rate (None: the recipe's); `batch`: standard training's global batch."""
+
+    kind: str
+    seed: int
+    lr: float | None = None
+    batch: int | None = None
+    outer_lr: float | None = None
+
+    @property
+    def family(self) -> str:
+        return self.kind
+
+    @property
+    def name(self) -> str:
+        if self.kind == "standard":
+            return f"b-b{self.batch}-lr{self.lr:g}-s{self.seed}"
+        settings = (f"-lr{self.lr:g}" if self.lr is not None else "") + \
+                   (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "")
+        return f"{'c' if self.kind == 'single' else self.kind}{settings}-s{self.seed}"
+
+    def raw(self) -> dict:
+        raw = recipe(CONFIGS["butterfly_today" if self.kind == "butterfly_today" else "islands"], self.seed)
+        if self.kind == "standard":
+            raw["baseline"] = {"lr": self.lr, "global_batch": self.batch}
+            return raw
+        if self.kind == "single":
+            # The islands' rows per round on one learner at the east island's round length.
+            east = raw["islands"][0]
+            rows_per_round = sum(i["learners"] * i["batch_size"] * i["inner_steps"] for i in raw["islands"])
+            raw["islands"] = [{"name": "solo", "accelerator": "one learner (simulated on CPU)", "learners": 1,
+                               "batch_size": rows_per_round // east["inner_steps"], "seq_len": east["seq_len"],
+                               "inner_steps": east["inner_steps"]}]
+            raw["sync"] = merged(raw["sync"], {"mode": "allreduce", "transport": {"compression": "none"}})
+            raw["sync"].pop("inter_island_every", None)
+        overrides = {"training": {"lr": self.lr}} if self.lr is not None else {}
+        if self.outer_lr is not None:
+            overrides["sync"] = {"outer": {"lr": self.outer_lr}}
+        return merged(raw, overrides)
+
+    def spec(self) -> RunSpec:
+        return parse_spec(self.raw())
+
+
+def arm_path(name: str) -> Path:
+    return RESULTS / "arms" / f"{name}.json"
+
+
+def load_results() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / "arms").glob("*.json"))}
+
+
+# -- which arms to run, given what has finished ------------------------------------------------------
+
+@dataclass
+class Plan:
+    todo: list[HonestArm]
+    b: tuple[int, float] | None = None  # (global batch, learning rate)
+    c: tuple[float, float] | None = None  # (inner, outer learning rate)
+    islands: tuple[float, float] | None = None
+
+
+def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float] | None]:
+    """Standard training: the learning rate swept at FIRST_BATCH, then at each neighbouring batch from
+    that rate scaled by the square root of the batch ratio, batches added past a winning edge."""
+    def lr_sweep(batch: int, start: tuple[float, ...]):
+        return quality.interior_sweep(results, lambda lr: HonestArm("standard", SWEEP_SEED, lr=lr, batch=batch), start)
+
+    todo, first = lr_sweep(FIRST_BATCH, FIRST_LEARNING_RATES)
+    if first is None:
+        return todo, None
+    batches, best = [FIRST_BATCH // 2, FIRST_BATCH, FIRST_BATCH * 2], {FIRST_BATCH: first}
+    while True:
+        todo = []
+        for batch in batches:
+            if batch not in best:
+                centre = first * math.sqrt(batch / FIRST_BATCH)
+                arms, lr = lr_sweep(batch, tuple(quality.nice(centre * k) for k in (0.5, 1, 2)))
+                todo += arms
+                if lr is not None:
+                    best[batch] = lr
+        if todo:
+            return todo, None
+        scores = {batch: quality.validation_score(results[HonestArm("standard", SWEEP_SEED, lr=best[batch], batch=batch).name])
+                  for batch in batches}
+        winner = min(scores, key=scores.get)
+        if winner == batches[0] and batches[0] // 2 >= BATCH_LIMITS[0]:
+            batches.insert(0, batches[0] // 2)
+        elif winner == batches[-1] and batches[-1] * 2 <= BATCH_LIMITS[1]:
+            batches.append(batches[-1] * 2)
+        else:
+            return [], (winner, best[winner])
+
+
+def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], tuple[float, float] | None]:
+    """A learners' arm: its outer learning rate swept at the recipe's inner rate (single: the other way
+    round, inner first, as standard training's rate is), then the other rate at the best of the first."""
+    inner0 = recipe(CONFIGS["islands"], SWEEP_SEED)["training"]["lr"]
+    outer0 = recipe(CONFIGS["islands"], SWEEP_SEED)["sync"]["outer"]["lr"]
+    inner_grid = tuple(quality.nice(inner0 * k) for k in INNER_FACTORS)
+    if kind == "single":
+        todo, inner = quality.interior_sweep(results, lambda lr: HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer0),
+                                             inner_grid)
+        if inner is None:
+            return todo, None
+        todo, outer = quality.interior_sweep(results, lambda o: HonestArm(kind, SWEEP_SEED, lr=inner, outer_lr=o),
+                                             OUTER_LEARNING_RATES, step=1.4)
+    else:
+        todo, outer = quality.interior_sweep(results, lambda o: HonestArm(kind, SWEEP_SEED, lr=inner0, outer_lr=o),
+                                             OUTER_LEARNING_RATES, step=1.4)
+        if outer is None:
+            return todo, None
+        todo, inner = quality.interior_sweep(results, lambda lr: HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer),
+                                             inner_grid)
+    return (todo, None) if todo else ([], (inner, outer))
+
+
+def plan(results: dict[str, dict]) -> Plan:
+    """(b)'s sweeps first (the cheapest arms), then the islands and today's butterfly at the recipe's
+    settings (the first reading of the headline), then (c)'s and the islands' sweeps, then seeds 1, 2."""
+    out = Plan([])
+    todo, out.b = b_sweep(results)
+    out.todo += todo
+    inner0 = recipe(CONFIGS["islands"], SWEEP_SEED)["training"]["lr"]
+    outer0 = recipe(CONFIGS["islands"], SWEEP_SEED)["sync"]["outer"]["lr"]
+    out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
+    todo, out.c = learner_sweep(results, "single")
+    out.todo += todo
+    todo, out.islands = learner_sweep(results, "islands")
+    out.todo += todo
+    for seed in SEEDS:
+        if out.b:
+            out.todo.append(HonestArm("standard", seed, lr=out.b[1], batch=out.b[0]))
+        if out.c:
+            out.todo.append(HonestArm("single", seed, lr=out.c[0], outer_lr=out.c[1]))
+        if out.islands:
+            out.todo.append(HonestArm("islands", seed, lr=out.islands[0], outer_lr=out.islands[1]))
+        out.todo.append(HonestArm("butterfly_today", seed))
+    out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
+    return out
+
+
+def run(log: Log) -> None:
+    durations: list[float] = []
+    while True:
+        results = load_results()
+        todo = plan(results).todo
+        if not todo:
+            return
+        arm = todo[0]
+        with cpu_lock(CPU_LOCK):
+            started = time.monotonic()
+            log(f"arm {arm.name} started ({len(results)} finished; {len(todo)} known still to run, sweeps may add more)")
+            result = quality.run_arm(arm, log, curve=arm.kind == "standard")
+            result.update(kind=arm.kind, outer_lr=arm.outer_lr)
+            arm_path(arm.name).parent.mkdir(parents=True, exist_ok=True)
+            arm_path(arm.name).write_text(json.dumps(result, indent=1))
+        durations.append(time.monotonic() - started)
+        log(f"arm {arm.name} done in {durations[-1]:.0f} s: bpb {quality.fmt(result['bpb'])}, validation "
+            f"{quality.fmt(result['validation_bpb'])}; ETA for the known rest "
+            f"{statistics.mean(durations) * (len(todo) - 1) / 60:.0f} min")
+        write_page(log)
+
+
+# -- the summary ---------------------------------------------------------------------------------------
+
+def tokens_to_reach(curve: list[dict], evaluation: str, bpb: float) -> tuple[float, bool]:
+    """Standard training's tokens to reach `bpb` on `evaluation` by its held-out curve, and whether that
+    is extrapolated past its last point. Between points the bpb is taken as linear in log tokens."""
+    tokens = np.log([p["tokens"] for p in curve])
+    values = np.array([p["bpb"][evaluation] for p in curve])
+    for i in range(1, len(curve)):
+        if values[i] <= bpb:
+            if values[i - 1] <= bpb:
+                return float(np.exp(tokens[i - 1])), False
+            fall = (values[i - 1] - bpb) / (values[i - 1] - values[i])
+            return float(np.exp(tokens[i - 1] + fall * (tokens[i] - tokens[i - 1]))), False
+    slope, intercept = np.polyfit(tokens[-3:], values[-3:], 1)
+    if slope >= 0:
+        return math.inf, True
+    return float(np.exp((bpb - intercept) / slope)), True
+
+
+def summary(results: dict[str, dict]) -> dict:
+    chosen = plan(results)
+    runs = {"b": chosen.b and [results.get(HonestArm("standard", s, lr=chosen.b[1], batch=chosen.b[0]).name) for s in SEEDS],
+            "c": chosen.c and [results.get(HonestArm("single", s, lr=chosen.c[0], outer_lr=chosen.c[1]).name) for s in SEEDS],
+            "islands": chosen.islands and [results.get(HonestArm("islands", s, lr=chosen.islands[0],
+                                                                 outer_lr=chosen.islands[1]).name) for s in SEEDS],
+            "butterfly_today": [results.get(HonestArm("butterfly_today", s).name) for s in SEEDS]}
+    complete = {k: v for k, v in runs.items() if v and all(v)}
+    any_result = next(iter(results.values()), None)
+    out = {**recorded(list(results.values())), "tokens_per_active_parameter": TOKENS_PER_ACTIVE_PARAMETER,
+           "tokens": any_result and any_result["tokens"],
+           "settings": {"b": chosen.b and {"global_batch": chosen.b[0], "lr": chosen.b[1]},
+                        "c": chosen.c and {"inner_lr": chosen.c[0], "outer_lr": chosen.c[1]},
+                        "islands": chosen.islands and {"inner_lr": chosen.islands[0], "outer_lr": chosen.islands[1]}},
+           "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
+    for evaluation in (any_result["bpb"] if any_result else {}):
+        entry = {k: [r["bpb"][evaluation] for r in v] for k, v in complete.items()}
+        if "b" in complete and "islands" in complete:
+            entry["relative_to_b"] = [i / b - 1 for i, b in zip(entry["islands"], entry["b"])]
+            entry["bootstrap_ci_to_b"] = quality.seeds_bootstrap(complete["islands"], complete["b"], evaluation)
+        if "b" in complete and "c" in complete and "islands" in complete:
+            ratios, extrapolated = [], False
+            for b_run, islands_bpb, c_bpb in zip(complete["b"], entry["islands"], entry["c"]):
+                (to_islands, past_i), (to_c, past_c) = (tokens_to_reach(b_run["heldout_curve"], evaluation, x)
+                                                        for x in (islands_bpb, c_bpb))
+                ratios.append(to_islands / to_c)
+                extrapolated |= past_i or past_c
+            entry["token_ratio_to_c"] = ratios
+            entry["token_ratio_extrapolated"] = extrapolated
+        out["evaluations"][evaluation] = entry
+    return out
+
+
+def page(table: dict, results: dict[str, dict]) -> str:
+    settings = table["settings"]
+    lines = ["# Quality in an honest regime",
+             "",
+             f"The brief's sparse MoE at {table['tokens_per_active_parameter']} tokens per active parameter "
+             f"({table['tokens'] or 0:,} tokens), bits per byte on the held-out documents, seeds 0, 1, 2. Every setting "
+             "was chosen on the validation split (seed 0).",
+             "",
+             "- (b) standard training: " + (f"global batch {settings['b']['global_batch']}, learning rate "
+                                           f"{settings['b']['lr']:g}" if settings["b"] else "sweep not finished"),
+             "- (c) one learner: " + (f"inner learning rate {settings['c']['inner_lr']:g}, outer "
+                                     f"{settings['c']['outer_lr']:g}" if settings["c"] else "sweep not finished"),
+             "- islands (configs/brief-hierarchical.yaml, 8 learners): " +
+             (f"inner learning rate {settings['islands']['inner_lr']:g}, outer {settings['islands']['outer_lr']:g}"
+              if settings["islands"] else "sweep not finished"),
+             "- butterfly today: configs/brief.yaml, untuned", ""]
+    if table["evaluations"]:
+        lines += ["| evaluation | (b) | (c) | islands | butterfly today | islands vs (b), per seed | 95% interval | "
+                  "tokens vs (c) |", "|---|---|---|---|---|---|---|---|"]
+        for evaluation, entry in table["evaluations"].items():
+            cells = [f"{statistics.fmean(entry[k]):.4f}" if k in entry else "-"
+                     for k in ("b", "c", "islands", "butterfly_today")]
+            relative = ", ".join(f"{r:+.2%}" for r in entry["relative_to_b"]) if "relative_to_b" in entry else "-"
+            interval = "[{:+.2%}, {:+.2%}]".format(*entry["bootstrap_ci_to_b"]) if "bootstrap_ci_to_b" in entry else "-"
+            ratio = (f"{statistics.fmean(entry['token_ratio_to_c']):.2f}x"
+                     + (" (extrapolated)" if entry["token_ratio_extrapolated"] else "")) if "token_ratio_to_c" in entry else "-"
+            lines.append(f"| {evaluation} | " + " | ".join(cells) + f" | {relative} | {interval} | {ratio} |")
+        lines.append("")
+    lines += [f"Goal: the islands at least {-GOAL:.0%} below (b) on every evaluation (mean of 3 seeds, interval below "
+              f"zero) and within {TOKEN_RATIO_GOAL}x of (c) in standard training's tokens.", "",
+              "## Sweeps (seed 0, validation split)", "",
+              "| arm | validation bpb (mean over evaluations) | train s |", "|---|---|---|"]
+    for name, result in sorted(results.items()):
+        if result["seed"] == SWEEP_SEED:
+            lines.append(f"| {name} | {quality.validation_score(result):.4f} | {result['train_seconds']:.0f} |")
+    if table["still_to_run"]:
+        lines += ["", f"Not run yet: {', '.join(table['still_to_run'])} (sweeps may add more)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_page(log: Log | None = None) -> None:
+    results = load_results()
+    table = summary(results)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "summary.json").write_text(json.dumps(table, indent=1))
+    write_results_page("honest", page(table, results), sources=str(RESULTS), command="python -m bench.honest --table",
+                       commit=table["commit"], date=table["date"])
+    if log:
+        log(f"wrote {RESULTS / 'summary.json'} and docs/results/honest.md")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--plan", action="store_true", help="list the arms known still to run and stop")
+    parser.add_argument("--table", action="store_true", help="only rebuild the summary and the page")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    if args.plan:
+        for arm in plan(load_results()).todo:
+            print(arm.name)
+        return 0
+    if not args.table:
+        run(Log(RESULTS / "progress.log"))
+    write_page()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

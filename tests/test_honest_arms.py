@@ -1,0 +1,79 @@
+"""The honest-regime benchmark's plan (no training: finished arms are stood in for by their validation
+scores): equal tokens at 20 per active parameter, sweeps that end only at interior optima, batches
+included, and the tokens standard training needs to reach a bpb."""
+
+import math
+
+import pytest
+
+from bench.honest import (BATCH_LIMITS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, plan, summary,
+                          tokens_to_reach)
+from training.baseline import BaselinePlan
+from training.model.registry import build_model
+
+
+def rows(arm) -> int:
+    spec = arm.spec()
+    if arm.kind == "standard":
+        return sum(BaselinePlan.of(spec).planned_rows)
+    return sum(slot.rows_per_round * spec.sync.rounds for slot in spec.learners)
+
+
+def test_every_arm_trains_the_same_tokens_about_twenty_per_active_parameter():
+    arms = [HonestArm("standard", 0, lr=5e-3, batch=b) for b in (6, 12, 24, 48, 96)]
+    arms += [HonestArm("single", 0, lr=3e-3, outer_lr=1.0), HonestArm("islands", 1, lr=6e-3, outer_lr=0.7),
+             HonestArm("butterfly_today", 2)]
+    assert len({rows(arm) for arm in arms}) == 1
+    spec = arms[-1].spec()
+    active = build_model(spec).parameter_counts()["active"]
+    tokens = rows(arms[0]) * spec.islands[0].seq_len
+    assert TOKENS_PER_ACTIVE_PARAMETER <= tokens / active < TOKENS_PER_ACTIVE_PARAMETER * 1.01
+    assert arms[-2].spec().sync.mode == "hierarchical" and spec.sync.mode == "butterfly"
+    single = arms[5].spec()
+    assert len(single.learners) == 1 and single.sync.transport.compression == "none"
+
+
+def scored(arm, best_batch: int) -> dict:
+    """A parabola in log lr around each kind's best rate; batches further from `best_batch` worse."""
+    if arm.kind == "standard":
+        value = 2 + (math.log(arm.lr) - math.log(4e-3 * math.sqrt(arm.batch / 24))) ** 2 \
+            + 0.1 * abs(math.log2(arm.batch / best_batch))
+    elif arm.kind == "butterfly_today":
+        value = 2.6
+    else:
+        value = 2.2 + (math.log(arm.lr) - math.log(3e-3)) ** 2 + (arm.outer_lr - (1.4 if arm.kind == "islands" else 1.0)) ** 2
+    curve = [{"tokens": t, "bpb": {"code": value + 1 / t ** 0.5, "prose": value + 1 / t ** 0.5}}
+             for t in (1e5, 1e6, 4e6, 8.9e6)]
+    return {"arm": arm.name, "kind": arm.kind, "seed": arm.seed, "lr": arm.lr, "global_batch": arm.batch,
+            "outer_lr": arm.outer_lr, "tokens": 8.9e6, "train_seconds": 1.0, "heldout_curve": curve,
+            "bpb": {"code": value, "prose": value + 0.1}, "validation_bpb": {"code": value, "prose": value},
+            "heldout_documents": {e: {"ids": [1, 2, 3], "bits": [value * 8, value * 9, value * 10], "bytes": [8, 9, 10]}
+                                  for e in ("code", "prose")}}
+
+
+@pytest.mark.parametrize("best_batch", [24, 6])
+def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batch):
+    results = {}
+    for _ in range(300):
+        todo = plan(results).todo
+        if not todo:
+            break
+        results[todo[0].name] = scored(todo[0], best_batch)
+    chosen = plan(results)
+    assert not chosen.todo
+    batches = sorted({r["global_batch"] for r in results.values() if r["kind"] == "standard"})
+    assert chosen.b[0] == best_batch  # the batch grew past the first grid's edge to reach 6
+    assert batches[-1] > chosen.b[0] and (batches[0] < chosen.b[0] or chosen.b[0] == BATCH_LIMITS[0])
+    assert chosen.islands[1] == 1.4 and chosen.c[1] == 1.0
+    assert {r["seed"] for r in results.values() if r["kind"] == "islands"} == set(SEEDS)
+    table = summary(results)
+    entry = table["evaluations"]["code"]
+    assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
+    assert len(entry["islands"]) == len(SEEDS) and table["tokens_per_active_parameter"] == TOKENS_PER_ACTIVE_PARAMETER
+
+
+def test_tokens_to_reach_interpolates_in_log_tokens_and_extrapolates_past_the_last_point():
+    curve = [{"tokens": 100, "bpb": {"e": 4.0}}, {"tokens": 10_000, "bpb": {"e": 3.0}}, {"tokens": 1_000_000, "bpb": {"e": 2.0}}]
+    assert tokens_to_reach(curve, "e", 3.5) == (pytest.approx(1_000), False)
+    assert tokens_to_reach(curve, "e", 5.0) == (pytest.approx(100), False)
+    assert tokens_to_reach(curve, "e", 1.5) == (pytest.approx(10_000_000), True)
