@@ -35,7 +35,6 @@ import copy
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,7 +42,7 @@ import torch
 import yaml
 
 from bench import quality
-from bench.harness import Log, cpu_lock
+from bench.harness import Log, cpu_lock, load_arms, run_arms
 from bench.results_page import recorded, write_results_page
 from infra.spec import RunSpec, parse_spec
 
@@ -79,6 +78,23 @@ def load_candidates() -> tuple[dict, list[dict]]:
     return document["start"], document["candidates"]
 
 
+def one_learner(raw: dict) -> dict:
+    """(c) of a raw spec: the islands' rows per round on one learner at the east island's round length (as
+    bench/quality.py's single arms), the same tokens, schedule and optimizers, no peers (and no message
+    compression: with no peers it would only add noise)."""
+    raw = copy.deepcopy(raw)
+    east = raw["islands"][0]
+    rows_per_round = sum(i["learners"] * i["batch_size"] * i["inner_steps"] for i in raw["islands"])
+    raw["islands"] = [{"name": "solo", "accelerator": "one learner (simulated on CPU)", "learners": 1,
+                       "batch_size": rows_per_round // east["inner_steps"], "seq_len": east["seq_len"],
+                       "inner_steps": east["inner_steps"]}]
+    raw["sync"]["mode"] = "allreduce"
+    raw["sync"].pop("inter_island_every", None)  # one learner: no islands to cross
+    raw["sync"].setdefault("transport", {})["compression"] = "none"
+    raw["sync"]["transport"]["tau"] = min(raw["sync"]["transport"].get("tau", 0), east["inner_steps"])
+    return raw
+
+
 @dataclass(frozen=True)
 class BriefArm:
     """One run of the brief's family; `kind` is "candidate", "islands" or "single". Has the attributes
@@ -105,17 +121,7 @@ class BriefArm:
             entry = next(c for c in candidates if c["name"] == self.candidate)
             raw = merged(merged(raw, start), entry.get("overrides", {}))
         elif self.kind == "single":
-            # The islands' rows per round on one learner at the east island's round length (as
-            # bench/quality.py's single arms): the same tokens, schedule and optimizers, no peers.
-            east = raw["islands"][0]
-            rows_per_round = sum(i["learners"] * i["batch_size"] * i["inner_steps"] for i in raw["islands"])
-            raw["islands"] = [{"name": "solo", "accelerator": "one learner (simulated on CPU)", "learners": 1,
-                               "batch_size": rows_per_round // east["inner_steps"], "seq_len": east["seq_len"],
-                               "inner_steps": east["inner_steps"]}]
-            raw["sync"]["mode"] = "allreduce"
-            raw["sync"].pop("inter_island_every", None)  # one learner: no islands to cross
-            raw["sync"].setdefault("transport", {})["compression"] = "none"
-            raw["sync"]["transport"]["tau"] = min(raw["sync"]["transport"].get("tau", 0), east["inner_steps"])
+            raw = one_learner(raw)
         return raw
 
     def spec(self) -> RunSpec:
@@ -141,12 +147,8 @@ def all_arms() -> list[BriefArm]:
     return candidates + [BriefArm(kind, seed) for kind in ("islands", "single") for seed in SEEDS]
 
 
-def arm_path(name: str) -> Path:
-    return RESULTS / "arms" / f"{name}.json"
-
-
 def load_results() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / "arms").glob("*.json"))}
+    return load_arms(RESULTS)
 
 
 def todo(results: dict[str, dict], candidates_only: bool = False) -> list[BriefArm]:
@@ -172,24 +174,8 @@ def run_one(arm: BriefArm, results: dict[str, dict], log: Log) -> dict:
 
 
 def run_all(log: Log, candidates_only: bool) -> None:
-    durations: list[float] = []
-    while True:
-        results = load_results()
-        pending = todo(results, candidates_only)
-        if not pending:
-            return
-        arm, started = pending[0], time.monotonic()
-        log(f"arm {arm.name} started ({len(results)} finished, {len(pending)} to run)")
-        result = run_one(arm, results, log)
-        arm_path(arm.name).parent.mkdir(parents=True, exist_ok=True)
-        arm_path(arm.name).write_text(json.dumps(result, indent=1))
-        if "same_run_as" not in result:
-            durations.append(time.monotonic() - started)
-        eta = statistics.mean(durations) * (len(pending) - 1) if durations else 0
-        log(f"arm {arm.name} done in {time.monotonic() - started:.0f} s: bpb {quality.fmt(result['bpb'])}, validation "
-            f"{quality.fmt(result['validation_bpb'])}, bytes ratio {bytes_ratio(result)}; "
-            f"ETA for the rest {eta / 60:.0f} min")
-        write_tables(log)
+    run_arms(RESULTS, lambda finished: todo(finished, candidates_only), lambda arm, finished: run_one(arm, finished, log),
+             lambda: write_tables(log), log)
 
 
 def bytes_ratio(result: dict) -> float | None:

@@ -1,12 +1,16 @@
 """What the benchmarks share: a progress log kept beside their results, the CPU lock that benchmarks
-sharing two cores take turns with, planned-against-measured as a relative change, and a run started
-and trained through the product's own stages (`training.stages`), as the lifecycle runs them."""
+sharing two cores take turns with, the arm-by-arm driver of the resumable ones, planned-against-measured
+as a relative change, and a run started and trained through the product's own stages
+(`training.stages`), as the lifecycle runs them."""
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
+import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from infra.spec import RunSpec
@@ -44,6 +48,43 @@ def cpu_lock(path: str | Path | None):
             yield time.monotonic() - waited
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def load_arms(results: Path) -> dict[str, dict]:
+    """A resumable benchmark's finished arms, by name: `<results>/arms/<arm>.json`."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted((results / "arms").glob("*.json"))}
+
+
+def scores_text(scores: dict) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
+
+
+def run_arms(results: Path, todo_of: Callable[[dict[str, dict]], list], train: Callable[[object, dict[str, dict]], dict],
+             after: Callable[[], None], log: Log, lock: str | Path | None = None) -> None:
+    """Run a resumable benchmark arm by arm until nothing is left: `todo_of(finished)` is the arms still to
+    run (asked again after every arm, so a sweep can grow), `train(arm, finished)` an arm's result, which
+    is written to `<results>/arms/<arm>.json` at once; `after()` then rebuilds the benchmark's tables. An
+    arm trains holding `lock`; a result marked `same_run_as` reused another arm's and stays out of the ETA."""
+    durations: list[float] = []
+    while True:
+        finished = load_arms(results)
+        todo = todo_of(finished)
+        if not todo:
+            return
+        arm = todo[0]
+        with cpu_lock(lock):
+            started = time.monotonic()
+            log(f"arm {arm.name} started ({len(finished)} finished; {len(todo)} known still to run)")
+            result = train(arm, finished)
+        path = results / "arms" / f"{arm.name}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=1))
+        if "same_run_as" not in result:
+            durations.append(time.monotonic() - started)
+        eta = statistics.mean(durations) * (len(todo) - 1) if durations else 0.0
+        log(f"arm {arm.name} done in {time.monotonic() - started:.0f} s: bpb {scores_text(result['bpb'])}, validation "
+            f"{scores_text(result['validation_bpb'])}; ETA for the known rest {eta / 60:.0f} min")
+        after()
 
 
 def relative_change(value: float, reference: float) -> str:

@@ -38,7 +38,6 @@ import json
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +46,8 @@ import torch
 import yaml
 
 from bench import quality
-from bench.brief import merged
-from bench.harness import Log, cpu_lock
+from bench.brief import merged, one_learner
+from bench.harness import Log, load_arms, run_arms
 from bench.results_page import recorded, write_results_page
 from infra.spec import RunSpec, parse_spec
 from training.model.registry import build_model
@@ -117,14 +116,7 @@ class HonestArm:
             raw["baseline"] = {"lr": self.lr, "global_batch": self.batch}
             return raw
         if self.kind == "single":
-            # The islands' rows per round on one learner at the east island's round length.
-            east = raw["islands"][0]
-            rows_per_round = sum(i["learners"] * i["batch_size"] * i["inner_steps"] for i in raw["islands"])
-            raw["islands"] = [{"name": "solo", "accelerator": "one learner (simulated on CPU)", "learners": 1,
-                               "batch_size": rows_per_round // east["inner_steps"], "seq_len": east["seq_len"],
-                               "inner_steps": east["inner_steps"]}]
-            raw["sync"] = merged(raw["sync"], {"mode": "allreduce", "transport": {"compression": "none"}})
-            raw["sync"].pop("inter_island_every", None)
+            raw = one_learner(raw)
         overrides = {"training": {"lr": self.lr}} if self.lr is not None else {}
         if self.outer_lr is not None:
             overrides["sync"] = {"outer": {"lr": self.outer_lr}}
@@ -134,12 +126,8 @@ class HonestArm:
         return parse_spec(self.raw())
 
 
-def arm_path(name: str) -> Path:
-    return RESULTS / "arms" / f"{name}.json"
-
-
 def load_results() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / "arms").glob("*.json"))}
+    return load_arms(RESULTS)
 
 
 # -- which arms to run, given what has finished ------------------------------------------------------
@@ -233,25 +221,10 @@ def plan(results: dict[str, dict]) -> Plan:
 
 
 def run(log: Log) -> None:
-    durations: list[float] = []
-    while True:
-        results = load_results()
-        todo = plan(results).todo
-        if not todo:
-            return
-        arm = todo[0]
-        with cpu_lock(CPU_LOCK):
-            started = time.monotonic()
-            log(f"arm {arm.name} started ({len(results)} finished; {len(todo)} known still to run, sweeps may add more)")
-            result = quality.run_arm(arm, log, curve=arm.kind == "standard")
-            result.update(kind=arm.kind, outer_lr=arm.outer_lr)
-            arm_path(arm.name).parent.mkdir(parents=True, exist_ok=True)
-            arm_path(arm.name).write_text(json.dumps(result, indent=1))
-        durations.append(time.monotonic() - started)
-        log(f"arm {arm.name} done in {durations[-1]:.0f} s: bpb {quality.fmt(result['bpb'])}, validation "
-            f"{quality.fmt(result['validation_bpb'])}; ETA for the known rest "
-            f"{statistics.mean(durations) * (len(todo) - 1) / 60:.0f} min")
-        write_page(log)
+    def train(arm: HonestArm, finished: dict[str, dict]) -> dict:
+        return {**quality.run_arm(arm, log, curve=arm.kind == "standard"), "kind": arm.kind, "outer_lr": arm.outer_lr}
+
+    run_arms(RESULTS, lambda finished: plan(finished).todo, train, lambda: write_page(log), log, CPU_LOCK)
 
 
 # -- the summary ---------------------------------------------------------------------------------------

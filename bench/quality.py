@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.harness import Log, new_run, train_islands
+from bench.harness import Log, load_arms, new_run, run_arms, train_islands
 from bench.results_page import provenance, recorded, write_results_page
 from eval.bootstrap import paired_bootstrap
 from eval.curve import standard_heldout_curve
@@ -264,36 +264,13 @@ def run_arm(arm: Arm, log: Log, curve: bool = False) -> dict:
     return result
 
 
-def arm_path(name: str) -> Path:
-    return RESULTS / "arms" / f"{name}.json"
-
-
 def load_results() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / "arms").glob("*.json"))}
+    return load_arms(RESULTS)
 
 
 def run_all(log: Log) -> None:
-    durations: list[float] = []
-    while True:
-        results = load_results()
-        todo = plan(results).todo
-        if not todo:
-            return
-        arm = todo[0]
-        started = time.monotonic()
-        log(f"arm {arm.name} started ({len(results)} finished; {len(todo)} known still to run, sweeps may add more)")
-        result = run_arm(arm, log)
-        arm_path(arm.name).parent.mkdir(parents=True, exist_ok=True)
-        arm_path(arm.name).write_text(json.dumps(result, indent=1))
-        durations.append(time.monotonic() - started)
-        eta = statistics.mean(durations) * (len(todo) - 1)
-        log(f"arm {arm.name} done in {durations[-1]:.0f} s: bpb {fmt(result['bpb'])}, validation "
-            f"{fmt(result['validation_bpb'])}; ETA for the known rest {eta / 60:.0f} min")
-        write_tables(log)
-
-
-def fmt(scores: dict) -> str:
-    return ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
+    run_arms(RESULTS, lambda finished: plan(finished).todo, lambda arm, finished: run_arm(arm, log),
+             lambda: write_tables(log), log)
 
 
 # -- the tables ----------------------------------------------------------------------------------------

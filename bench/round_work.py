@@ -23,13 +23,12 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench import quality
 from bench.brief import BriefArm, merged
-from bench.harness import Log, cpu_lock
+from bench.harness import Log, load_arms, run_arms
 from bench.results_page import recorded, write_results_page
 from infra.spec import RunSpec, parse_spec
 
@@ -63,12 +62,8 @@ class VariantArm(BriefArm):
         return parse_spec(merged(self.raw(), VARIANTS[self.variant][1]))
 
 
-def arm_path(name: str) -> Path:
-    return RESULTS / "arms" / f"{name}.json"
-
-
 def load_results() -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((RESULTS / "arms").glob("*.json"))}
+    return load_arms(RESULTS)
 
 
 def planned(seeds_of: list[str]) -> list[VariantArm]:
@@ -80,20 +75,12 @@ def planned(seeds_of: list[str]) -> list[VariantArm]:
 
 
 def run(seeds_of: list[str], log: Log) -> None:
-    durations: list[float] = []
-    todo = [arm for arm in planned(seeds_of) if arm.name not in load_results()]
-    for done, arm in enumerate(todo):
-        with cpu_lock(CPU_LOCK):
-            started = time.monotonic()
-            log(f"arm {arm.name} started ({done} of {len(todo)} done): {VARIANTS[arm.variant][0]}")
-            result = quality.run_arm(arm, log)
-            result["variant"] = arm.variant
-            arm_path(arm.name).parent.mkdir(parents=True, exist_ok=True)
-            arm_path(arm.name).write_text(json.dumps(result, indent=1))
-        durations.append(time.monotonic() - started)
-        log(f"arm {arm.name} done in {durations[-1]:.0f} s: validation {quality.fmt(result['validation_bpb'])}; "
-            f"ETA {statistics.mean(durations) * (len(todo) - done - 1) / 60:.0f} min")
-        write_page(log)
+    def train(arm: VariantArm, finished: dict[str, dict]) -> dict:
+        log(f"{arm.name}: {VARIANTS[arm.variant][0]}")
+        return {**quality.run_arm(arm, log), "variant": arm.variant}
+
+    run_arms(RESULTS, lambda finished: [arm for arm in planned(seeds_of) if arm.name not in finished], train,
+             lambda: write_page(log), log, CPU_LOCK)
 
 
 def summary(results: dict[str, dict]) -> dict:
