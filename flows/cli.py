@@ -219,6 +219,9 @@ def plan(args: argparse.Namespace) -> int:
         for island, parts in profile.round_parts_s.items():
             print(f"island {island}, a round's mean seconds: " + ", ".join(f"{part} {seconds:.4f}"
                                                                            for part, seconds in parts.items()))
+            part, seconds = profile.largest_part(island)
+            print(f"island {island}: besides its inner steps ({parts['inner_steps']:.4f} s), a round's largest part "
+                  f"is {part} ({seconds:.4f} s, {seconds / parts['inner_steps']:.0%} of them)")
     else:
         step_seconds, ready_s = complete_step_seconds(spec, given)
         for island in spec.islands:

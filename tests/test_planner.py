@@ -205,6 +205,8 @@ def test_a_profile_is_read_from_round_ends_and_per_round_compute():
         "inner_steps": 0.4, "sync": 0.05, "waiting_for_exchange": 0.01, "checkpoint": 0.03,
         "publish": 0.02, "receive": 0.0, "outer_step": 0.2})
     assert profile.round_parts_s["i1"]["outer_step"] == pytest.approx(0.2)
+    part, seconds = profile.largest_part("i0")
+    assert part == "outer_step" and seconds == pytest.approx(0.2)
     # 128 tokens a round on each island; two rounds each after the first, from 5.0 s to 7.6 s.
     assert profile.tokens_per_s == pytest.approx(4 * 128 / 2.6)
 
@@ -221,7 +223,8 @@ def test_plan_command_profiles_with_the_run_s_own_learners(tmp_path, capsys):
         "store": {"url": str(tmp_path / "never-written")}}))
     out = tmp_path / "plan.json"
     assert main(["plan", str(config), "--profile-run", "--link-gbps", "1", "--json", str(out)]) == 0
-    assert "profiling run of 2 learners" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "profiling run of 2 learners" in printed and "east: besides its inner steps" in printed
     written = json.loads(out.read_text())
     overheads = written["overheads"]
     assert set(overheads["round_overhead_s"]) == {"east", "west"} and overheads["startup_s"] > 0

@@ -49,6 +49,13 @@ class RunProfile:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def largest_part(self, island: str) -> tuple[str, float]:
+        """What binds an island's round besides its inner steps: the largest of its round's other parts
+        (syncing counted without its wait for the exchange, which the exchange's own parts explain)."""
+        parts = dict(self.round_parts_s[island])
+        parts["sync"] -= parts["waiting_for_exchange"]
+        return max(((part, seconds) for part, seconds in parts.items() if part != "inner_steps"), key=lambda p: p[1])
+
 
 def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_ROUNDS) -> RunProfile:
     """Run the spec's learners for `rounds` rounds against `store` (a run-spec `store` section; by
