@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 from bench.netns import LinkPlan, log
+from infra.launch import island_cores
 
 # Prefect across the link, for the second island: its worker polls every 10 s (its runs are scheduled
 # ahead, so a quicker poll only starts their processes sooner) and its flow runs ship logs in 10 s
@@ -58,16 +59,6 @@ def arm_spec(path: str, rounds: int | None, endpoint_url: str, island_stores: di
     if checkpoint_every:
         raw.setdefault("training", {})["checkpoint_every"] = checkpoint_every
     return parse_spec(raw)
-
-
-def island_cores(n: int, islands: int) -> tuple[str, ...]:
-    """A command prefix that keeps island `n`'s processes (its worker, segments and learners) on cores of
-    its own, as separate sites' would be; with fewer cores than islands, none."""
-    cores = os.cpu_count() or 1
-    if cores < islands:
-        return ()
-    share = cores // islands
-    return ("taskset", "-c", ",".join(str(c) for c in range(n * share, (n + 1) * share)))
 
 
 @contextlib.contextmanager

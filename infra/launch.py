@@ -213,6 +213,17 @@ def threads_per_process(spec: RunSpec) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
+def island_cores(n: int, islands: int) -> tuple[str, ...]:
+    """A command prefix that keeps island `n`'s processes on cores of its own, as separate sites' would be
+    when one machine stands in for all of them (the shaped-link bench, a profiling run); with fewer
+    cores than islands, none."""
+    cores = os.cpu_count() or 1
+    if cores < islands:
+        return ()
+    share = cores // islands
+    return ("taskset", "-c", ",".join(str(c) for c in range(n * share, (n + 1) * share)))
+
+
 # Learners never talk to the control plane's API nor to an experiment tracker (their output is relayed by
 # the task that runs them), so they do not inherit what opens either.
 PREFECT_CREDENTIALS = ("PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING", "PREFECT_API_KEY")

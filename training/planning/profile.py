@@ -6,7 +6,8 @@ its checkpoint, the background work that competes with its compute for cores; an
 time before the first inner step (imports, the spec, its shard) and after the last round (final
 checkpoint, summary, exit). Those do not depend on the link, so they are measured here, once, with
 every learner of the spec started as the lifecycle starts it (`infra.launch`), all at once, against
-a store at local speed; the planner then adds what the link costs (`plan_run(..., profile=...)`).
+a store at local speed, each island's learners on cores of their own as separate sites' would be
+(`infra.launch.island_cores`); the planner then adds what the link costs (`plan_run(..., profile=...)`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from infra.launch import LearnerProcess, run_learner, threads_per_process
+from infra.launch import LearnerProcess, island_cores, run_learner, threads_per_process
 from infra.spec import RunSpec, parse_spec, spec_sha256
 from training.learner.ledger import read_summaries
 
@@ -82,6 +83,7 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_
         round_times: dict[int, list[float]] = {slot.index: [] for slot in profiled.learners}
         exits: dict[int, float] = {}
         threads = threads_per_process(profiled)
+        islands = [island.name for island in profiled.islands]
         launched = time.monotonic()
 
         def learner(slot) -> None:
@@ -90,6 +92,7 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_
                     if json.loads(line).get("event") == "round":
                         round_times[slot.index].append(time.monotonic() - launched)
             run_learner(LearnerProcess(slot.index, slot.island.processes_per_learner, threads,
+                                       wrapper=island_cores(islands.index(slot.island.name), len(islands)),
                                        spec_sha256=spec_sha256(profiled)),
                         profiled.store.url, profiled.store.endpoint_url, run_id, on_line,
                         profiled.store.credentials_env)
