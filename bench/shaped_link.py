@@ -256,8 +256,8 @@ def drive(job: dict) -> int:
     results = {arm: {**arm_result(configs[arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
                                                                      else {})} for arm, arm_runs in runs.items()}
     results_targets = targets(results)
-    reached = results_targets.get("time_to_quality", {})
-    document = {**provenance(), "time_to_quality_ratio": reached.get("ratio"), "link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
+    document = {**provenance(), "time_to_quality_ratio": results_targets.get("time_to_quality", {}).get("ratio"),
+                "link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
                          "island_stores": sorted(island_stores)},
                 "arms": results, "targets": results_targets, "bench_seconds": time.monotonic() - started}
     out = Path(job["out"])
@@ -291,7 +291,6 @@ def targets(results: dict) -> dict:
         out["butterfly_bytes_reduction_counted"] = (median("standard", lambda r: r["inter_island_bytes_counted"]) / counted
                                                     if counted else None)
         out["reduction_target"] = 500
-    if "standard" in results and "butterfly" in results:
         out["time_to_quality"] = time_to_quality(results["standard"]["runs"], results["butterfly"]["runs"])
     if "butterfly" in results:
         out["butterfly_utilisation"] = statistics.median(results["butterfly"]["utilisation"])

@@ -128,7 +128,8 @@ def train_baseline(spec: RunSpec, store, progress: Callable[[dict], None] = lamb
     model = initial_model(spec, store).to(on)
     optimizer = baseline_optimizer(spec, model)
     tokens, summing, gradient_bytes, started = 0, 0.0, 0, time.monotonic()
-    snapshots = set(snapshot_steps(spec.sync.rounds, steps, spec.evaluation.curve_points)) if rank is None and max_steps is None else set()
+    snapshots = set(snapshot_steps(spec.sync.rounds, steps, spec.evaluation.curve_points)) \
+        if rank is None and max_steps is None else set()
     for step in range(run_steps):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, total = accumulate_gradients(model, plan, samplers, step, on)
