@@ -51,10 +51,11 @@ class RunProfile:
         return asdict(self)
 
     def largest_part(self, island: str) -> tuple[str, float]:
-        """What binds an island's round besides its inner steps: the largest of its round's other parts
-        (syncing counted without its wait for the exchange, which the exchange's own parts explain)."""
+        """What binds an island's round besides its inner steps: the largest of its round's other parts. A
+        wait for the exchange is not a part of its own but the exchange's parts not yet done (publish,
+        receive, outer step), so syncing counts without it."""
         parts = dict(self.round_parts_s[island])
-        parts["sync"] -= parts["waiting_for_exchange"]
+        parts["sync"] -= parts.pop("waiting_for_exchange")
         return max(((part, seconds) for part, seconds in parts.items() if part != "inner_steps"), key=lambda p: p[1])
 
 
