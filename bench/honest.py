@@ -295,7 +295,7 @@ def page(table: dict, results: dict[str, dict]) -> str:
              (f"inner learning rate {settings['islands']['inner_lr']:g}, outer {settings['islands']['outer_lr']:g}"
               if settings["islands"] else "sweep not finished"),
              "- butterfly today: configs/brief.yaml, untuned", ""]
-    if table["evaluations"]:
+    if any(table["evaluations"].values()):
         lines += ["| evaluation | (b) | (c) | islands | butterfly today | islands vs (b), per seed | 95% interval | "
                   "tokens vs (c) |", "|---|---|---|---|---|---|---|---|"]
         for evaluation, entry in table["evaluations"].items():
