@@ -22,7 +22,6 @@ from prefect.client.schemas.filters import (FlowFilter, FlowFilterName, FlowRunF
 from prefect.client.schemas.objects import TERMINAL_STATES
 from prefect.states import Cancelling
 from prefect.deployments import run_deployment
-from prefect.settings import PREFECT_CLIENT_RETRY_EXTRA_CODES, temporary_settings
 
 from infra.launch import LearnersStopped, stopped_because
 from infra.spec import RunSpec
@@ -87,29 +86,16 @@ def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, start_at: d
     if (reason := stopped_because(run_id)) is not None:
         raise LearnersStopped(f"run {run_id}: not starting segment {n} of island {island}: {reason}")
     stop_segments(run_id, f"segment {n} of island {island} replaces it", island)
-    created = run_deployment(
+    flow_run = run_deployment(
         segment_deployment(island),
         parameters={"spec": spec.model_dump(mode="json"), "run_id": run_id, "island": island,
                     "until": until.isoformat() if until else None, "lease_term": lease_term},
         scheduled_time=start_at, tags=segment_tags(run_id, island),
-        flow_run_name=f"{run_id}-{island}-window-{n}", timeout=0)
-    flow_run = wait_for_flow_run(created.id)
+        flow_run_name=f"{run_id}-{island}-window-{n}", poll_interval=2)
     if not flow_run.state.is_completed():
         raise RuntimeError(f"island {island}: segment {flow_run.name} on work pool {flow_run.work_pool_name} "
                            f"ended {flow_run.state.name}: {flow_run.state.message}")
     return flow_run
-
-
-def wait_for_flow_run(flow_run_id, poll_interval_s: float = 2.0):
-    """The flow run once it has ended. Waiting only reads, so a read the server answers with a 500 (a
-    server whose database is busy under load, for one) is retried as Prefect's client retries its own
-    transient codes (with backoff, about a minute in all) instead of ending the wait."""
-    with temporary_settings({PREFECT_CLIENT_RETRY_EXTRA_CODES: {500}}), get_client(sync_client=True) as client:
-        while True:
-            flow_run = client.read_flow_run(flow_run_id)
-            if flow_run.state is not None and flow_run.state.is_final():
-                return flow_run
-            time.sleep(poll_interval_s)
 
 
 @stage("island-segments", task_run_name="segments-{island}", ignored_inputs=("lease_term",))
