@@ -62,7 +62,7 @@ def test_the_kubernetes_pool_renders_a_segment_job_with_the_specs_gpus_secret_re
     printed = capsys.readouterr().out
     assert "prefect worker start --pool island-k8s-east --type kubernetes" in printed
     assert "prefect worker start --pool island-k8s-west --type process" in printed
-    assert (f"kubectl -n archipelago create secret generic archipelago-k8s-east "
+    assert ("kubectl -n archipelago create secret generic archipelago-k8s-east "
             + " ".join(f"--from-literal={name}=..." for name in keys)) in printed
 
     async def render(job_variables: dict | None = None):

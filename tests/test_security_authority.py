@@ -6,7 +6,6 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import save as save_safetensors
 
 from infra import layout
 from infra.authority import CONTROL, Authority, Unauthenticated, foreign_signing_keys, generate_keypair

@@ -14,7 +14,6 @@ import yaml
 
 from eval.tracking import Point, Sink, TrackingUnavailable, open_sink
 from flows.cli import main
-from infra import layout
 from infra.spec import SpecError, parse_spec
 from infra.store import run_store
 from infra.tracking_spec import TrackingSpec
