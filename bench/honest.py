@@ -55,6 +55,8 @@ from training.model.registry import build_model
 RESULTS = Path("bench/results/honest")
 CPU_LOCK = Path("/work/cpu.lock")
 TOKENS_PER_ACTIVE_PARAMETER = 20
+# The summary's name of each kind of arm.
+KINDS = {"b": "standard", "c": "single", "islands": "islands", "butterfly_today": "butterfly_today"}
 CONFIGS = {"islands": Path("configs/brief-hierarchical.yaml"), "butterfly_today": Path("configs/brief.yaml")}
 SEEDS = quality.SEEDS
 SWEEP_SEED = quality.SWEEP_SEED
@@ -74,6 +76,13 @@ def honest_rounds(config: Path) -> int:
     spec = parse_spec(yaml.safe_load(config.read_text()))
     tokens = TOKENS_PER_ACTIVE_PARAMETER * build_model(spec).parameter_counts()["active"]
     return math.ceil(tokens / sum(slot.tokens_per_round() for slot in spec.learners))
+
+
+@functools.cache
+def recipe_rates() -> tuple[float, float]:
+    """The islands recipe's (inner, outer) learning rates: where the learners' sweeps start."""
+    raw = yaml.safe_load(CONFIGS["islands"].read_text())
+    return raw["training"]["lr"], raw["sync"]["outer"]["lr"]
 
 
 def recipe(config: Path, seed: int) -> dict:
@@ -139,6 +148,15 @@ class Plan:
     c: tuple[float, float] | None = None  # (inner, outer learning rate)
     islands: tuple[float, float] | None = None
 
+    def chosen(self, kind: str, seed: int) -> HonestArm | None:
+        """The arm of `kind` at its chosen settings on `seed`; None while its sweep is not finished."""
+        if kind == "butterfly_today":
+            return HonestArm(kind, seed)
+        if kind == "standard":
+            return self.b and HonestArm(kind, seed, lr=self.b[1], batch=self.b[0])
+        rates = self.c if kind == "single" else self.islands
+        return rates and HonestArm(kind, seed, lr=rates[0], outer_lr=rates[1])
+
 
 def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float] | None]:
     """Standard training: the learning rate swept at FIRST_BATCH, then at each neighbouring batch from
@@ -175,8 +193,7 @@ def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float
 def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], tuple[float, float] | None]:
     """A learners' arm: its outer learning rate swept at the recipe's inner rate (single: the other way
     round, inner first, as standard training's rate is), then the other rate at the best of the first."""
-    inner0 = recipe(CONFIGS["islands"], SWEEP_SEED)["training"]["lr"]
-    outer0 = recipe(CONFIGS["islands"], SWEEP_SEED)["sync"]["outer"]["lr"]
+    inner0, outer0 = recipe_rates()
     inner_grid = tuple(quality.nice(inner0 * k) for k in INNER_FACTORS)
     if kind == "single":
         todo, inner = quality.interior_sweep(results, lambda lr: HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer0),
@@ -201,21 +218,13 @@ def plan(results: dict[str, dict]) -> Plan:
     out = Plan([])
     todo, out.b = b_sweep(results)
     out.todo += todo
-    inner0 = recipe(CONFIGS["islands"], SWEEP_SEED)["training"]["lr"]
-    outer0 = recipe(CONFIGS["islands"], SWEEP_SEED)["sync"]["outer"]["lr"]
+    inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
     todo, out.c = learner_sweep(results, "single")
     out.todo += todo
     todo, out.islands = learner_sweep(results, "islands")
     out.todo += todo
-    for seed in SEEDS:
-        if out.b:
-            out.todo.append(HonestArm("standard", seed, lr=out.b[1], batch=out.b[0]))
-        if out.c:
-            out.todo.append(HonestArm("single", seed, lr=out.c[0], outer_lr=out.c[1]))
-        if out.islands:
-            out.todo.append(HonestArm("islands", seed, lr=out.islands[0], outer_lr=out.islands[1]))
-        out.todo.append(HonestArm("butterfly_today", seed))
+    out.todo += [arm for seed in SEEDS for kind in KINDS.values() if (arm := out.chosen(kind, seed))]
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
 
@@ -248,12 +257,9 @@ def tokens_to_reach(curve: list[dict], evaluation: str, bpb: float) -> tuple[flo
 
 def summary(results: dict[str, dict]) -> dict:
     chosen = plan(results)
-    runs = {"b": chosen.b and [results.get(HonestArm("standard", s, lr=chosen.b[1], batch=chosen.b[0]).name) for s in SEEDS],
-            "c": chosen.c and [results.get(HonestArm("single", s, lr=chosen.c[0], outer_lr=chosen.c[1]).name) for s in SEEDS],
-            "islands": chosen.islands and [results.get(HonestArm("islands", s, lr=chosen.islands[0],
-                                                                 outer_lr=chosen.islands[1]).name) for s in SEEDS],
-            "butterfly_today": [results.get(HonestArm("butterfly_today", s).name) for s in SEEDS]}
-    complete = {k: v for k, v in runs.items() if v and all(v)}
+    runs = {name: [results.get(arm.name) if (arm := chosen.chosen(kind, seed)) else None for seed in SEEDS]
+            for name, kind in KINDS.items()}
+    complete = {k: v for k, v in runs.items() if all(v)}
     any_result = next(iter(results.values()), None)
     out = {**recorded(list(results.values())), "tokens_per_active_parameter": TOKENS_PER_ACTIVE_PARAMETER,
            "tokens": any_result and any_result["tokens"],
