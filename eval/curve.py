@@ -12,7 +12,7 @@ scores every held-out byte of the final models.
 from __future__ import annotations
 
 from eval.bpb import bits_per_byte
-from eval.evaluate import score_sets
+from eval.evaluate import sets_bpb
 from infra import layout
 from infra.spec import RunSpec
 from infra.store import IntegrityError
@@ -64,7 +64,7 @@ def islands_heldout_curve(spec: RunSpec, store) -> list[dict]:
         model, tokens = _islands_model(spec, store, r)
         if model is not None:
             points.append({"round": r, "tokens": tokens,
-                           "bpb": {name: result["bpb"] for name, result in score_sets(spec, store, model, heldout).items()}})
+                           "bpb": sets_bpb(spec, store, model, heldout)})
     return points
 
 
@@ -77,7 +77,7 @@ def standard_heldout_curve(spec: RunSpec, store) -> list[dict]:
     for key in keys + [layout.BASELINE]:
         model, meta = load_model(spec, store, key)
         points.append({"tokens": meta["tokens"],
-                       "bpb": {name: result["bpb"] for name, result in score_sets(spec, store, model, heldout).items()}})
+                       "bpb": sets_bpb(spec, store, model, heldout)})
     return sorted(points, key=lambda point: point["tokens"])
 
 

@@ -24,9 +24,14 @@ def score_sets(spec: RunSpec, store, model, entries: dict) -> dict:
             for name, entry in entries.items()}
 
 
+def sets_bpb(spec: RunSpec, store, model, entries: dict) -> dict[str, float]:
+    """{eval name: bpb} of `model` over every byte of each set `entries` names."""
+    return {name: result["bpb"] for name, result in score_sets(spec, store, model, entries).items()}
+
+
 def heldout_bpb(spec: RunSpec, store, key: str) -> dict[str, float]:
     """{eval name: bpb} of one stored model on every held-out evaluation."""
-    return {name: result["bpb"] for name, result in score_model(spec, store, key)["heldout"].items()}
+    return sets_bpb(spec, store, load_model(spec, store, key)[0], store.get_json(layout.DATA_MANIFEST)["heldout"])
 
 
 def evaluate(spec: RunSpec, store) -> dict:
