@@ -24,7 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -104,25 +104,33 @@ def wait_healthy(api_url: str, timeout_s: float) -> None:
     raise TimeoutError(f"no Prefect server answered at {api_url}/health within {timeout_s:.0f} s")
 
 
-def _stop(process: subprocess.Popen) -> None:
-    """Stop a process we started, and its children (it leads its own process group)."""
-    if process.poll() is None:
+def _stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
+    """Stop processes we started, and their children (each leads its own process group): all are
+    asked at once, so a slow one does not hold up the others' grace period."""
+    running = [process for process in processes if process.poll() is None]
+    for process in running:
         os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in running:
         try:
-            process.wait(15)
+            process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
 
 
 @contextmanager
-def _started(command: list[str], env: dict, log: Path):
-    with log.open("ab") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+def _started(commands: list[list[str]], env: dict, logs: list[Path]):
+    """`commands` started, each in its own session with its output to its log; stopped together on exit."""
+    processes = []
     try:
-        yield process
+        for command, log in zip(commands, logs, strict=True):
+            with log.open("ab") as out:
+                processes.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                                  start_new_session=True))
+        yield processes
     finally:
-        _stop(process)
+        _stop(processes)
 
 
 @contextmanager
@@ -138,7 +146,7 @@ def prefect_server(port: int, home: Path, log_dir: Path, auth_string: str, start
            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     api_url = f"http://{host}:{port}/api"
-    with _started([*wrapper, sys.executable, "-m", "prefect", "server", "start"], env, log_dir / "prefect-server.log"):
+    with _started([[*wrapper, sys.executable, "-m", "prefect", "server", "start"]], env, [log_dir / "prefect-server.log"]):
         wait_healthy(api_url, startup_timeout_s)
         yield api_url
 
@@ -157,11 +165,9 @@ def workers(pools: list[str], api_url: str, auth_string: str, log_dir: Path,
            "PREFECT_WORKER_PREFETCH_SECONDS": str(prefetch_seconds),
            "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": str(log_batch_seconds),
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO_ROOT)}
-    with ExitStack() as stack:
-        for pool in pools:
-            stack.enter_context(_started(
-                [*(wrappers or {}).get(pool, ()), sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
-                 "--type", "process", "--name", f"{pool}-worker"], env, log_dir / f"worker-{pool}.log"))
+    with _started([[*(wrappers or {}).get(pool, ()), sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
+                    "--type", "process", "--name", f"{pool}-worker"] for pool in pools],
+                  env, [log_dir / f"worker-{pool}.log" for pool in pools]):
         yield
 
 

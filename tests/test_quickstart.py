@@ -12,7 +12,6 @@ import re
 import secrets
 import subprocess
 import sys
-from contextlib import ExitStack
 
 import pytest
 import yaml
@@ -98,12 +97,11 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
             # 6. A worker per pool, in a folder of its own. Each needs the run store's key; an island's own keys come from its block.
             # The control plane's needs the data root too (this session's, already in the environment).
             worker_env = worker_environment(client_env, east)
-            with ExitStack() as workers:
-                for pool in POOLS:
-                    site = tmp_path / f"site-{pool}"
-                    site.mkdir()
-                    workers.enter_context(_started(["env", "-C", str(site), sys.executable, "-m", "prefect", "worker",
-                                                    "start", "--pool", pool], worker_env, logs / f"worker-{pool}.log"))
+            for pool in POOLS:
+                (tmp_path / f"site-{pool}").mkdir()
+            with _started([["env", "-C", str(tmp_path / f"site-{pool}"), sys.executable, "-m", "prefect", "worker",
+                            "start", "--pool", pool] for pool in POOLS], worker_env,
+                          [logs / f"worker-{pool}.log" for pool in POOLS]):
                 # 7. The run, from the lifecycle deployment, whose form defaults to the spec.
                 started = command("prefect", "deployment", "run", "archipelago/lifecycle", "--watch",
                                   "--watch-interval", "2", "--watch-timeout", str(RUN_TIMEOUT_S), env=client_env,
