@@ -159,35 +159,9 @@ class Plan:
 
 
 def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float] | None]:
-    """Standard training: the learning rate swept at FIRST_BATCH, then at each neighbouring batch from
-    that rate scaled by the square root of the batch ratio, batches added past a winning edge."""
-    def lr_sweep(batch: int, start: tuple[float, ...]):
-        return quality.interior_sweep(results, lambda lr: HonestArm("standard", SWEEP_SEED, lr=lr, batch=batch), start)
-
-    todo, first = lr_sweep(FIRST_BATCH, FIRST_LEARNING_RATES)
-    if first is None:
-        return todo, None
-    batches, best = [FIRST_BATCH // 2, FIRST_BATCH, FIRST_BATCH * 2], {FIRST_BATCH: first}
-    while True:
-        todo = []
-        for batch in batches:
-            if batch not in best:
-                centre = first * math.sqrt(batch / FIRST_BATCH)
-                arms, lr = lr_sweep(batch, tuple(quality.nice(centre * k) for k in (0.5, 1, 2)))
-                todo += arms
-                if lr is not None:
-                    best[batch] = lr
-        if todo:
-            return todo, None
-        scores = {batch: quality.validation_score(results[HonestArm("standard", SWEEP_SEED, lr=best[batch], batch=batch).name])
-                  for batch in batches}
-        winner = min(scores, key=scores.get)
-        if winner == batches[0] and batches[0] // 2 >= BATCH_LIMITS[0]:
-            batches.insert(0, batches[0] // 2)
-        elif winner == batches[-1] and batches[-1] * 2 <= BATCH_LIMITS[1]:
-            batches.append(batches[-1] * 2)
-        else:
-            return [], (winner, best[winner])
+    """Standard training's batch and learning rate, from FIRST_BATCH and FIRST_LEARNING_RATES."""
+    return quality.batch_and_rate_sweep(results, lambda batch, lr: HonestArm("standard", SWEEP_SEED, lr=lr, batch=batch),
+                                        FIRST_BATCH, FIRST_LEARNING_RATES, BATCH_LIMITS)
 
 
 def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], tuple[float, float] | None]:

@@ -179,6 +179,41 @@ def nice(lr: float) -> float:
     return float(f"{lr:.2g}")
 
 
+def batch_and_rate_sweep(results: dict[str, dict], arm_at, first_batch: int, first_rates: tuple[float, ...],
+                         limits: tuple[int, int]) -> tuple[list, tuple[int, float] | None]:
+    """Standard training's batch and learning rate, swept until both optima are interior: the rate at
+    `first_batch` from `first_rates`, then at each neighbouring batch from that rate scaled by the square
+    root of the batch ratio (one factor of 2 either side), batches halved or doubled past a winning
+    edge within `limits`. `arm_at(batch, lr)` is the arm at a setting. Returns the arms still to run,
+    and (batch, learning rate) once chosen."""
+    def lr_sweep(batch: int, start: tuple[float, ...]):
+        return interior_sweep(results, lambda lr: arm_at(batch, lr), start)
+
+    todo, first = lr_sweep(first_batch, first_rates)
+    if first is None:
+        return todo, None
+    batches, best = [first_batch // 2, first_batch, first_batch * 2], {first_batch: first}
+    while True:
+        todo = []
+        for batch in batches:
+            if batch not in best:
+                centre = first * math.sqrt(batch / first_batch)
+                arms, lr = lr_sweep(batch, tuple(nice(centre * k) for k in (0.5, 1, 2)))
+                todo += arms
+                if lr is not None:
+                    best[batch] = lr
+        if todo:
+            return todo, None
+        scores = {batch: validation_score(results[arm_at(batch, best[batch]).name]) for batch in batches}
+        winner = min(scores, key=scores.get)
+        if winner == batches[0] and batches[0] // 2 >= limits[0]:
+            batches.insert(0, batches[0] // 2)
+        elif winner == batches[-1] and batches[-1] * 2 <= limits[1]:
+            batches.append(batches[-1] * 2)
+        else:
+            return [], (winner, best[winner])
+
+
 def batch_sweeps(results: dict[str, dict], lr_a: float) -> tuple[list[Arm], dict[int, float]]:
     """(b)'s sweeps: each batch other than the islands' starts from (a)'s best learning rate scaled by
     the square root of the batch ratio, one factor of 2 either side."""

@@ -1,0 +1,81 @@
+"""The size-scaling benchmark's plan (no training: finished arms are stood in for by their scores): equal
+tokens within a size at about 20 per parameter, M learners sharing standard training's chosen batch,
+sweeps that end interior, and the gap and its fit."""
+
+import math
+
+import pytest
+
+from bench.size_scaling import (LEARNERS, SIZES, TOKENS_PER_PARAMETER, SizeArm, figure, gap_fit, parameters, plan,
+                                summary)
+from training.baseline import BaselinePlan
+
+
+def rows(arm: SizeArm) -> int:
+    spec = arm.spec()
+    if arm.kind == "standard":
+        return sum(BaselinePlan.of(spec).planned_rows)
+    return sum(slot.rows_per_round * spec.sync.rounds for slot in spec.learners)
+
+
+@pytest.mark.parametrize("size", list(SIZES))
+def test_every_arm_of_a_size_trains_the_same_tokens_about_twenty_per_parameter(size):
+    arms = [SizeArm("standard", size, 5e-3, batch) for batch in (8, 16, 128)]
+    arms += [SizeArm("islands", size, 5e-3, batch, m, 0.7) for batch in (8, 32, 128) for m in LEARNERS]
+    assert len({rows(arm) for arm in arms}) == 1
+    tokens = rows(arms[0]) * arms[0].spec().islands[0].seq_len
+    assert TOKENS_PER_PARAMETER <= tokens / parameters(size) < TOKENS_PER_PARAMETER * 1.1
+    eight = SizeArm("islands", size, 5e-3, 32, 8, 0.7).spec()
+    assert len(eight.islands) == 8 and {s.island.batch_size for s in eight.learners} == {4}
+    assert eight.sync.mode == "allreduce" and eight.sync.outer.name == "nesterov"
+
+
+def test_sizes_are_about_a_fifth_half_and_one_million_parameters():
+    counts = [parameters(size) for size in SIZES]
+    assert counts == sorted(counts) and 0.15e6 < counts[0] < 0.25e6 and 0.4e6 < counts[1] < 0.5e6 and 0.9e6 < counts[2] < 1.2e6
+
+
+def scored(arm: SizeArm, best_batch: int) -> dict:
+    """Standard training a parabola in log lr around 4e-3 x sqrt(batch / 16), worse away from `best_batch`;
+    M learners worse by 1% per learner past the first, best at outer rate 0.7 (1.0 for M = 8)."""
+    if arm.kind == "standard":
+        value = 2 + (math.log(arm.lr) - math.log(4e-3 * math.sqrt(arm.batch / 16))) ** 2 \
+            + 0.1 * abs(math.log2(arm.batch / best_batch))
+    else:
+        value = 2 * (1 + 0.01 * (arm.learners - 1)) + (arm.outer_lr - (1.0 if arm.learners == 8 else 0.7)) ** 2
+    value -= 0.1 * list(SIZES).index(arm.size)
+    return {"arm": arm.name, "kind": arm.kind, "size": arm.size, "learners": arm.learners, "seed": arm.seed,
+            "lr": arm.lr, "global_batch": arm.batch, "outer_lr": arm.outer_lr, "tokens": rows(arm) * 128,
+            "train_seconds": 1.0, "parameters": {"total": parameters(arm.size)},
+            "bpb": {"code": value, "prose": value}, "validation_bpb": {"code": value, "prose": value}}
+
+
+def test_sweeps_end_interior_and_every_size_runs_every_m_at_its_chosen_settings(tmp_path):
+    results = {}
+    for _ in range(400):
+        todo = plan(results).todo
+        if not todo:
+            break
+        results[todo[0].name] = scored(todo[0], best_batch=32)
+    chosen = plan(results)
+    assert not chosen.todo
+    assert all(chosen.standard[size][0] == 32 for size in SIZES)
+    assert chosen.outer == {1: 0.7, 2: 0.7, 4: 0.7, 8: 1.0}
+    islands = [r for r in results.values() if r["kind"] == "islands"]
+    assert {(r["size"], r["learners"]) for r in islands} == {(s, m) for s in SIZES for m in LEARNERS}
+    assert all(r["global_batch"] == 32 for r in islands)
+    table = summary(results)
+    for size in SIZES:
+        # The stand-in's learners lose 1% of bpb per learner past the first, at every size.
+        gaps = [table["sizes"][size]["learners"][str(m)]["mean_gap"] for m in LEARNERS]
+        assert [b - a for a, b in zip(gaps, gaps[1:])] == pytest.approx([0.01 * 2 / (2 - 0.1 * list(SIZES).index(size))
+                                                                        * k for k in (1, 2, 4)], rel=0.05)
+    assert table["fits"]["8"]["slope_per_decade"] > 0  # the stand-in's gap grows as its bpb falls
+    figure(table, tmp_path / "gap.png")
+    assert (tmp_path / "gap.png").stat().st_size > 10_000
+
+
+def test_the_gap_fit_is_a_line_in_log10_parameters():
+    fit = gap_fit({1e6: 0.05, 1e7: 0.03, 1e8: 0.01})
+    assert fit["slope_per_decade"] == pytest.approx(-0.02) and fit["intercept"] == pytest.approx(0.17)
+    assert gap_fit({1e6: 0.05}) is None
