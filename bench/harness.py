@@ -5,6 +5,7 @@ as a relative change, and a run started and trained through the product's own st
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import json
@@ -12,6 +13,8 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 from infra.spec import RunSpec
 from infra.stores import open_run
@@ -85,6 +88,28 @@ def run_arms(results: Path, todo_of: Callable[[dict[str, dict]], list], train: C
         log(f"arm {arm.name} done in {time.monotonic() - started:.0f} s: bpb {scores_text(result['bpb'])}, validation "
             f"{scores_text(result['validation_bpb'])}; ETA for the known rest {eta / 60:.0f} min")
         after()
+
+
+def resumable_main(argv: list[str] | None, description: str, results: Path,
+                   todo_of: Callable[[dict[str, dict]], list], run: Callable[[Log], None],
+                   write: Callable[[Log], None]) -> int:
+    """A resumable benchmark's command line: everything still to run, resuming (`run`), then its tables
+    and page (`write`); `--plan` lists the arms known still to run (`todo_of(finished)`), `--table` only
+    rebuilds the tables and page."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--plan", action="store_true", help="list the arms known still to run and stop")
+    parser.add_argument("--table", action="store_true", help="only rebuild the tables and the page from finished arms")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(2)
+    log = Log(results / "progress.log")
+    if args.plan:
+        for arm in todo_of(load_arms(results)):
+            print(arm.name)
+        return 0
+    if not args.table:
+        run(log)
+    write(log)
+    return 0
 
 
 def relative_change(value: float, reference: float) -> str:

@@ -32,7 +32,6 @@ rebuilt after every arm from whatever has finished.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -42,12 +41,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 import yaml
 
 from bench import quality
 from bench.brief import merged, one_learner
-from bench.harness import Log, load_arms, run_arms
+from bench.harness import Log, load_arms, resumable_main, run_arms
 from bench.results_page import recorded, write_results_page
 from infra.spec import RunSpec, parse_spec
 from training.model.registry import build_model
@@ -311,19 +309,7 @@ def write_page(log: Log | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--plan", action="store_true", help="list the arms known still to run and stop")
-    parser.add_argument("--table", action="store_true", help="only rebuild the summary and the page")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(2)
-    if args.plan:
-        for arm in plan(load_results()).todo:
-            print(arm.name)
-        return 0
-    if not args.table:
-        run(Log(RESULTS / "progress.log"))
-    write_page()
-    return 0
+    return resumable_main(argv, __doc__.split("\n")[0], RESULTS, lambda finished: plan(finished).todo, run, write_page)
 
 
 if __name__ == "__main__":

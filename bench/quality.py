@@ -25,7 +25,6 @@ from whatever has finished.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -35,9 +34,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 
-from bench.harness import Log, load_arms, new_run, run_arms, train_islands
+from bench.harness import Log, load_arms, new_run, resumable_main, run_arms, train_islands
 from bench.results_page import provenance, recorded, write_results_page
 from eval.bootstrap import paired_bootstrap
 from eval.curve import standard_heldout_curve
@@ -442,20 +440,8 @@ def write_tables(log: Log | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--table", action="store_true", help="only rebuild the tables from finished arms")
-    parser.add_argument("--plan", action="store_true", help="list the arms still to run and stop")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(2)
-    log = Log(RESULTS / "progress.log")
-    if args.plan:
-        for arm in plan(load_results()).todo:
-            print(arm.name)
-        return 0
-    if not args.table:
-        run_all(log)
-    write_tables(log)
-    return 0
+    return resumable_main(argv, __doc__.split("\n")[0], RESULTS, lambda finished: plan(finished).todo, run_all,
+                          write_tables)
 
 
 if __name__ == "__main__":
