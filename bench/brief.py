@@ -22,15 +22,14 @@ brief's seed 0 is the chosen candidate's run). Each arm trains holding the lock 
 arm; progress with an ETA goes to `progress.log`; `summary.json` and the pages docs/results/brief.md
 and brief-tuning.md are rebuilt after every arm from the finished arms.
 
-    .venv/bin/python -m bench.brief                  # everything still to run
-    .venv/bin/python -m bench.brief --candidates     # only the tuning candidates still to run
-    .venv/bin/python -m bench.brief --table          # only rebuild the tables
-    .venv/bin/python -m bench.brief --plan           # the arms still to run
+    .venv/bin/python -m bench.brief                    # everything still to run
+    .venv/bin/python -m bench.brief --candidates-only  # only the tuning candidates still to run
+    .venv/bin/python -m bench.brief --table            # only rebuild the tables
+    .venv/bin/python -m bench.brief --plan             # the arms still to run
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -38,11 +37,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import yaml
 
 from bench import quality
-from bench.harness import Log, cpu_lock, load_arms, run_arms
+from bench.harness import Log, cpu_lock, load_arms, resumable_main, run_arms
 from bench.results_page import recorded, write_results_page
 from infra.spec import RunSpec, parse_spec
 
@@ -398,21 +396,8 @@ def write_tables(log: Log | None = None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--table", action="store_true", help="only rebuild the tables from finished arms")
-    parser.add_argument("--plan", action="store_true", help="list the arms still to run and stop")
-    parser.add_argument("--candidates", action="store_true", help="run only the tuning candidates still to run")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(2)
-    log = Log(RESULTS / "progress.log")
-    if args.plan:
-        for arm in todo(load_results(), args.candidates):
-            print(arm.name)
-        return 0
-    if not args.table:
-        run_all(log, args.candidates)
-    write_tables(log)
-    return 0
+    return resumable_main(argv, __doc__.split("\n")[0], RESULTS, todo, run_all, write_tables,
+                          flags={"candidates_only": "run only the tuning candidates still to run"})
 
 
 if __name__ == "__main__":

@@ -91,23 +91,27 @@ def run_arms(results: Path, todo_of: Callable[[dict[str, dict]], list], train: C
 
 
 def resumable_main(argv: list[str] | None, description: str, results: Path,
-                   todo_of: Callable[[dict[str, dict]], list], run: Callable[[Log], None],
-                   write: Callable[[Log], None]) -> int:
-    """A resumable benchmark's command line: everything still to run, resuming (`run`), then its tables
-    and page (`write`); `--plan` lists the arms known still to run (`todo_of(finished)`), `--table` only
-    rebuilds the tables and page."""
+                   todo_of: Callable[..., list], run: Callable[..., None], write: Callable[[Log], None],
+                   flags: dict[str, str] | None = None) -> int:
+    """A resumable benchmark's command line: everything still to run, resuming (`run(log)`), then its
+    tables and page (`write(log)`); `--plan` lists the arms known still to run (`todo_of(finished)`),
+    `--table` only rebuilds the tables and page. `flags`: the benchmark's own switches (name: help),
+    passed to `todo_of` and `run` as keywords."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--plan", action="store_true", help="list the arms known still to run and stop")
     parser.add_argument("--table", action="store_true", help="only rebuild the tables and the page from finished arms")
+    for name, text in (flags or {}).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=text)
     args = parser.parse_args(argv)
+    switches = {name: getattr(args, name) for name in flags or {}}
     torch.set_num_threads(2)
     log = Log(results / "progress.log")
     if args.plan:
-        for arm in todo_of(load_arms(results)):
+        for arm in todo_of(load_arms(results), **switches):
             print(arm.name)
         return 0
     if not args.table:
-        run(log)
+        run(log, **switches)
     write(log)
     return 0
 
