@@ -37,7 +37,7 @@ import json
 import math
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -55,6 +55,7 @@ CPU_LOCK = Path("/work/cpu.lock")
 TOKENS_PER_ACTIVE_PARAMETER = 20
 # The summary's name of each kind of arm.
 KINDS = {"b": "standard", "c": "single", "islands": "islands", "butterfly_today": "butterfly_today"}
+LABELS = {"b": "(b)", "c": "(c)", "islands": "islands", "butterfly_today": "butterfly today"}
 CONFIGS = {"islands": Path("configs/brief-hierarchical.yaml"), "butterfly_today": Path("configs/brief.yaml")}
 SEEDS = quality.SEEDS
 SWEEP_SEED = quality.SWEEP_SEED
@@ -64,6 +65,9 @@ BATCH_LIMITS = (6, 192)
 OUTER_LEARNING_RATES = (0.7, 1.0, 1.4)
 INNER_FACTORS = (0.5, 1.0, 2.0)
 CURVE_POINTS = 10
+# Each tuned kind is tried once more at its chosen settings with these (seed 0, validation split), and
+# keeps them where they help: the published work trained with both.
+STABILITY = {"qk_norm": True, "z_loss_weight": 1e-4}
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
 
@@ -97,13 +101,15 @@ def recipe(config: Path, seed: int) -> dict:
 class HonestArm:
     """One run. `kind`: "standard" (b), "single" (c), "islands" or "butterfly_today"; `lr`: standard
     training's learning rate, or the learners' inner one (None: the recipe's); `outer_lr`: the learners'
-    outer learning rate (None: the recipe's); `batch`: standard training's global batch."""
+    outer learning rate (None: the recipe's); `batch`: standard training's global batch; `stable`: the
+    model with QK-LayerNorm and z-loss (`STABILITY`)."""
 
     kind: str
     seed: int
     lr: float | None = None
     batch: int | None = None
     outer_lr: float | None = None
+    stable: bool = False
 
     @property
     def family(self) -> str:
@@ -111,14 +117,17 @@ class HonestArm:
 
     @property
     def name(self) -> str:
+        stable = "-qkz" if self.stable else ""
         if self.kind == "standard":
-            return f"b-b{self.batch}-lr{self.lr:g}-s{self.seed}"
+            return f"b-b{self.batch}-lr{self.lr:g}{stable}-s{self.seed}"
         settings = (f"-lr{self.lr:g}" if self.lr is not None else "") + \
                    (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "")
-        return f"{'c' if self.kind == 'single' else self.kind}{settings}-s{self.seed}"
+        return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}-s{self.seed}"
 
     def raw(self) -> dict:
         raw = recipe(CONFIGS["butterfly_today" if self.kind == "butterfly_today" else "islands"], self.seed)
+        if self.stable:
+            raw["model"].update(STABILITY)
         if self.kind == "standard":
             raw["baseline"] = {"lr": self.lr, "global_batch": self.batch}
             return raw
@@ -145,15 +154,23 @@ class Plan:
     b: tuple[int, float] | None = None  # (global batch, learning rate)
     c: tuple[float, float] | None = None  # (inner, outer learning rate)
     islands: tuple[float, float] | None = None
+    stable: dict[str, bool] = field(default_factory=dict)  # kind: whether QK-LayerNorm and z-loss helped it
 
-    def chosen(self, kind: str, seed: int) -> HonestArm | None:
-        """The arm of `kind` at its chosen settings on `seed`; None while its sweep is not finished."""
+    def swept(self, kind: str, seed: int) -> HonestArm | None:
+        """The arm of `kind` at the settings its sweep chose, on `seed`; None while the sweep is not finished."""
         if kind == "butterfly_today":
             return HonestArm(kind, seed)
         if kind == "standard":
             return self.b and HonestArm(kind, seed, lr=self.b[1], batch=self.b[0])
         rates = self.c if kind == "single" else self.islands
         return rates and HonestArm(kind, seed, lr=rates[0], outer_lr=rates[1])
+
+    def chosen(self, kind: str, seed: int) -> HonestArm | None:
+        """The arm of `kind` at its chosen settings on `seed`, stability included; None until chosen."""
+        arm = self.swept(kind, seed)
+        if arm is None or kind == "butterfly_today":
+            return arm
+        return replace(arm, stable=self.stable[kind]) if kind in self.stable else None
 
 
 def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float] | None]:
@@ -196,6 +213,13 @@ def plan(results: dict[str, dict]) -> Plan:
     out.todo += todo
     todo, out.islands = learner_sweep(results, "islands")
     out.todo += todo
+    for kind in ("standard", "single", "islands"):
+        if (plain := out.swept(kind, SWEEP_SEED)) is not None:
+            stable = replace(plain, stable=True)
+            if stable.name in results:
+                out.stable[kind] = quality.validation_score(results[stable.name]) < quality.validation_score(results[plain.name])
+            else:
+                out.todo.append(stable)
     out.todo += [arm for seed in SEEDS for kind in KINDS.values() if (arm := out.chosen(kind, seed))]
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
@@ -203,7 +227,8 @@ def plan(results: dict[str, dict]) -> Plan:
 
 def run(log: Log) -> None:
     def train(arm: HonestArm, finished: dict[str, dict]) -> dict:
-        return {**quality.run_arm(arm, log, curve=arm.kind == "standard"), "kind": arm.kind, "outer_lr": arm.outer_lr}
+        return {**quality.run_arm(arm, log, curve=arm.kind == "standard"), "kind": arm.kind, "outer_lr": arm.outer_lr,
+                "stable": arm.stable}
 
     run_arms(RESULTS, lambda finished: plan(finished).todo, train, lambda: write_page(log), log, CPU_LOCK)
 
@@ -237,7 +262,8 @@ def summary(results: dict[str, dict]) -> dict:
            "tokens": any_result and any_result["tokens"],
            "settings": {"b": chosen.b and {"global_batch": chosen.b[0], "lr": chosen.b[1]},
                         "c": chosen.c and {"inner_lr": chosen.c[0], "outer_lr": chosen.c[1]},
-                        "islands": chosen.islands and {"inner_lr": chosen.islands[0], "outer_lr": chosen.islands[1]}},
+                        "islands": chosen.islands and {"inner_lr": chosen.islands[0], "outer_lr": chosen.islands[1]},
+                        "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
            "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
     for evaluation in (any_result["bpb"] if any_result else {}):
         entry = {k: [r["bpb"][evaluation] for r in v] for k, v in complete.items()}
@@ -272,7 +298,10 @@ def page(table: dict, results: dict[str, dict]) -> str:
              "- islands (configs/brief-hierarchical.yaml, 8 learners): " +
              (f"inner learning rate {settings['islands']['inner_lr']:g}, outer {settings['islands']['outer_lr']:g}"
               if settings["islands"] else "sweep not finished"),
-             "- butterfly today: configs/brief.yaml, untuned", ""]
+             "- butterfly today: configs/brief.yaml, untuned",
+             "- QK-LayerNorm and z-loss (1e-4), kept where they helped on validation: " +
+             (", ".join(f"{LABELS[k]} {'yes' if v else 'no'}" for k, v in settings["qk_norm_and_z_loss"].items())
+              or "not tried yet"), ""]
     if any(table["evaluations"].values()):
         lines += ["| evaluation | (b) | (c) | islands | butterfly today | islands vs (b), per seed | 95% interval | "
                   "tokens vs (c) |", "|---|---|---|---|---|---|---|---|"]
