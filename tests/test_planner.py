@@ -15,13 +15,14 @@ from training.planning.planner import bandwidth_for, fragment_sizes, message_byt
 from training.exchange.exchanger import SYNC_MODES
 
 
-def spec_of(mode="butterfly", fragments=1, tau=0, compression="none", islands=2, learners=2, rounds=6, steps=(4, 2)):
+def spec_of(mode="butterfly", fragments=1, tau=0, compression="none", islands=2, learners=2, rounds=6, steps=(4, 2),
+            inter_island_every=1):
     return parse_spec({
         "islands": [{"name": f"i{k}", "learners": learners, "batch_size": 2 * (k + 1), "seq_len": 16,
                      "inner_steps": steps[k % len(steps)]} for k in range(islands)],
         "model": {"layers": 2, "width": 16, "heads": 2},
         "data": {"corpora": [{"name": "c", "source": "files", "paths": ["x"]}]},
-        "sync": {"mode": mode, "rounds": rounds,
+        "sync": {"mode": mode, "rounds": rounds, "inter_island_every": inter_island_every,
                  "transport": {"fragments": fragments, "tau": tau, "compression": compression}},
     })
 
@@ -118,6 +119,15 @@ def test_the_link_for_a_goal_is_the_slowest_that_reaches_it():
     assert bandwidth_for(spec, steps, 0.99) > need
     # Compute-bound: an island twice as slow holds the other back whatever the link.
     assert bandwidth_for(spec, {"i0": 0.1, "i1": 0.4}, 0.95) is None
+
+
+def test_a_profile_covers_whole_periods_of_the_modes_island_crossings():
+    from training.planning.profile import PROFILE_ROUNDS, profile_rounds
+    assert profile_rounds(spec_of("allreduce", fragments=2)) == PROFILE_ROUNDS
+    assert profile_rounds(spec_of("hierarchical")) == PROFILE_ROUNDS  # it crosses every round
+    # 8 learners make 3 butterfly stages; 2 fragments; pairs across islands meet every 5th cycle.
+    assert profile_rounds(spec_of("butterfly", fragments=2, learners=4, inter_island_every=5)) == 1 + 2 * 3 * 5
+    assert profile_rounds(spec_of("hierarchical", fragments=2, learners=4, inter_island_every=15)) == 1 + 2 * 15
 
 
 @pytest.mark.integration  # the CLI in a process of its own, with learners

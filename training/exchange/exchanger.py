@@ -61,6 +61,10 @@ class SyncMode:
         """The fragment's next anchor."""
         raise NotImplementedError
 
+    def period(self, fragments: int, learners: int, inter_island_every: int) -> int:
+        """Rounds after which the pattern of peers and island crossings repeats: every fragment once."""
+        return fragments
+
 
 class Butterfly(SyncMode):
     """One partner per exchange, across the hypercube's dimension of the fragment's exchange count.
@@ -76,6 +80,9 @@ class Butterfly(SyncMode):
                                not crosses_islands_in(exchange, inter_island_every, stage_count(len(links)))):
             return []
         return [partner]
+
+    def period(self, fragments, learners, inter_island_every):
+        return fragments * stage_count(learners) * inter_island_every
 
     def mix(self, outer, me, own, tokens, received):
         if not received:
@@ -109,6 +116,9 @@ class Hierarchical(SyncMode):
 
     def peers(self, me, round_index, fragments, links, inter_island_every=1):
         return [p for p in range(len(links)) if p != me and links[p] == "intra"]
+
+    def period(self, fragments, learners, inter_island_every):
+        return fragments * inter_island_every
 
     def crosses(self, round_index: int, fragments: int, inter_island_every: int) -> bool:
         return crosses_islands_in(exchange_count(round_index, fragments), inter_island_every)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -22,9 +23,11 @@ from dataclasses import asdict, dataclass, field
 
 from infra.launch import LearnerProcess, island_cores, run_learner, threads_per_process
 from infra.spec import RunSpec, parse_spec, spec_sha256
+from training.exchange.exchanger import SYNC_MODES
 from training.learner.ledger import read_summaries
 
-PROFILE_ROUNDS = 5  # the first round's end starts the clock; four more give each learner four round lengths
+# The first round's end starts the clock; at least four more give each learner four round lengths.
+PROFILE_ROUNDS = 5
 
 # A round's parts, as the learners' summaries record them. On the learner's path: its inner steps,
 # syncing (queueing its message, applying the exchange), the part of syncing spent waiting for the
@@ -37,7 +40,9 @@ ROUND_PARTS = ("inner_steps", "sync", "waiting_for_exchange", "checkpoint", "pub
 @dataclass(frozen=True)
 class RunProfile:
     step_seconds: dict[str, float]  # per island: an inner step, with the run's background work going on
-    round_overhead_s: dict[str, float]  # per island: a round's seconds besides its inner steps, on no link
+    # Per island: a round's seconds besides its inner steps, on no link; the mean over whole periods of the
+    # mode's crossings (`profile_rounds`), so a round that crosses islands counts as often as it comes.
+    round_overhead_s: dict[str, float]
     startup_s: float  # launch to the first inner step, slowest learner
     teardown_s: float  # the last round's end to the process's exit, slowest learner
     # Per island, mean seconds of a round's parts (`ROUND_PARTS`), the first round left out as above:
@@ -59,17 +64,26 @@ class RunProfile:
         return max(((part, seconds) for part, seconds in parts.items() if part != "inner_steps"), key=lambda p: p[1])
 
 
-def profile_run(spec: RunSpec, store: dict | None = None, rounds: int = PROFILE_ROUNDS) -> RunProfile:
-    """Run the spec's learners for `rounds` rounds against `store` (a run-spec `store` section; by
-    default a fresh local folder) and time them. Capacity windows and bandwidth limits are dropped:
-    the profile is of the islands, not of their reservations or their link."""
+def profile_rounds(spec: RunSpec) -> int:
+    """The first round, then whole periods of the mode's peers and island crossings
+    (`SyncMode.period`), at least PROFILE_ROUNDS in all: a mode that crosses islands only every so
+    often spends its rounds unevenly."""
+    period = SYNC_MODES[spec.sync.mode].period(spec.sync.transport.fragments, len(spec.learners),
+                                               spec.sync.inter_island_every)
+    return 1 + period * math.ceil((PROFILE_ROUNDS - 1) / period)
+
+
+def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = None) -> RunProfile:
+    """Run the spec's learners for `rounds` rounds (`profile_rounds` when None) against `store` (a
+    run-spec `store` section; by default a fresh local folder) and time them. Capacity windows and
+    bandwidth limits are dropped: the profile is of the islands, not of their reservations or their link."""
     from training.data.shards import prepare_dataset
     from training.stages import start_run
 
     with tempfile.TemporaryDirectory(prefix="archipelago-profile-") as folder:
         raw = spec.model_dump(mode="json")
         raw["store"] = store or {"url": folder}
-        raw["sync"]["rounds"] = rounds
+        raw["sync"]["rounds"] = rounds or profile_rounds(spec)
         raw["sync"]["transport"]["bandwidth"] = {}
         # Nor is it of their keys: a profile's objects live in a throwaway folder.
         raw["signing"] = None
@@ -130,7 +144,7 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
         startups.append(ends[0] - compute[0] - statistics.median(overhead))
         teardowns.append(exits[summary.learner] - ends[-1])
     return RunProfile({name: statistics.median(v) for name, v in steps.items()},
-                      {name: max(0.0, statistics.median(v)) for name, v in overheads.items()},
+                      {name: max(0.0, statistics.fmean(v)) for name, v in overheads.items()},
                       max(startups), max(teardowns),
                       {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
                        for name, island_parts in parts.items()},
