@@ -64,13 +64,13 @@ class RunProfile:
         return max(((part, seconds) for part, seconds in parts.items() if part != "inner_steps"), key=lambda p: p[1])
 
 
-def profile_rounds(spec: RunSpec) -> int:
+def profile_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
     """The first round, then whole periods of the mode's peers and island crossings
-    (`SyncMode.period`), at least PROFILE_ROUNDS in all: a mode that crosses islands only every so
+    (`SyncMode.period`), at least `at_least` rounds in all: a mode that crosses islands only every so
     often spends its rounds unevenly."""
     period = SYNC_MODES[spec.sync.mode].period(spec.sync.transport.fragments, len(spec.learners),
                                                spec.sync.inter_island_every)
-    return 1 + period * math.ceil((PROFILE_ROUNDS - 1) / period)
+    return 1 + period * math.ceil((at_least - 1) / period)
 
 
 def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = None) -> RunProfile:
