@@ -202,13 +202,14 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
 
 
 def plan(results: dict[str, dict]) -> Plan:
-    """(b)'s sweeps first (the cheapest arms), then the islands and today's butterfly at the recipe's
-    settings (the first reading of the headline), then (c)'s and the islands' sweeps, then seeds 1, 2."""
+    """The islands and today's butterfly at the recipe's settings first (the first reading of the
+    headline), then (b)'s sweeps, (c)'s and the islands' sweeps, then each tuned kind with QK-LayerNorm
+    and z-loss, then seeds 1, 2."""
     out = Plan([])
-    todo, out.b = b_sweep(results)
-    out.todo += todo
     inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
+    todo, out.b = b_sweep(results)
+    out.todo += todo
     todo, out.c = learner_sweep(results, "single")
     out.todo += todo
     todo, out.islands = learner_sweep(results, "islands")
