@@ -37,6 +37,10 @@ from tasks.segments import island_pool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTROL_POOL = "archipelago"
+# Seconds a stopped server has to close its database, and a stopped worker to end: a worker keeps
+# nothing, and one shutting down may wait on a flow run it cancels, which its process group's kill ends.
+SERVER_GRACE_S = 15
+WORKER_GRACE_S = 5
 LIFECYCLE_DEPLOYMENT = "archipelago/lifecycle"
 PLAN_DEPLOYMENT = "plan/plan"
 # The setting every client of the API (CLI, workers, flow runs) reads the auth string from; the
@@ -104,9 +108,9 @@ def wait_healthy(api_url: str, timeout_s: float) -> None:
     raise TimeoutError(f"no Prefect server answered at {api_url}/health within {timeout_s:.0f} s")
 
 
-def _stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
+def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
     """Stop processes we started, and their children (each leads its own process group): all are
-    asked at once, so a slow one does not hold up the others' grace period."""
+    asked at once and given `grace_s` together, so a slow one does not hold up the others'."""
     running = [process for process in processes if process.poll() is None]
     for process in running:
         os.killpg(process.pid, signal.SIGTERM)
@@ -120,8 +124,9 @@ def _stop(processes: list[subprocess.Popen], grace_s: float = 15) -> None:
 
 
 @contextmanager
-def _started(commands: list[list[str]], env: dict, logs: list[Path]):
-    """`commands` started, each in its own session with its output to its log; stopped together on exit."""
+def _started(commands: list[list[str]], env: dict, logs: list[Path], grace_s: float = SERVER_GRACE_S):
+    """`commands` started, each in its own session with its output to its log; stopped together on exit,
+    with `grace_s` to end before they are killed."""
     processes = []
     try:
         for command, log in zip(commands, logs, strict=True):
@@ -130,7 +135,7 @@ def _started(commands: list[list[str]], env: dict, logs: list[Path]):
                                                   start_new_session=True))
         yield processes
     finally:
-        _stop(processes)
+        _stop(processes, grace_s)
 
 
 @contextmanager
@@ -167,7 +172,7 @@ def workers(pools: list[str], api_url: str, auth_string: str, log_dir: Path,
            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PYTHONPATH": str(REPO_ROOT)}
     with _started([[*(wrappers or {}).get(pool, ()), sys.executable, "-m", "prefect", "worker", "start", "--pool", pool,
                     "--type", "process", "--name", f"{pool}-worker"] for pool in pools],
-                  env, [log_dir / f"worker-{pool}.log" for pool in pools]):
+                  env, [log_dir / f"worker-{pool}.log" for pool in pools], WORKER_GRACE_S):
         yield
 
 

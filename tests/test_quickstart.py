@@ -16,7 +16,7 @@ import sys
 import pytest
 import yaml
 
-from flows.serve import AUTH_STRING_ENV, _started, prefect_server
+from flows.serve import AUTH_STRING_ENV, WORKER_GRACE_S, _started, prefect_server
 from infra import layout
 from infra.seaweed import seaweed_server
 from infra.spec import load_spec
@@ -101,7 +101,7 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 (tmp_path / f"site-{pool}").mkdir()
             with _started([["env", "-C", str(tmp_path / f"site-{pool}"), sys.executable, "-m", "prefect", "worker",
                             "start", "--pool", pool] for pool in POOLS], worker_env,
-                          [logs / f"worker-{pool}.log" for pool in POOLS]):
+                          [logs / f"worker-{pool}.log" for pool in POOLS], WORKER_GRACE_S):
                 # 7. The run, from the lifecycle deployment, whose form defaults to the spec.
                 started = command("prefect", "deployment", "run", "archipelago/lifecycle", "--watch",
                                   "--watch-interval", "2", "--watch-timeout", str(RUN_TIMEOUT_S), env=client_env,
