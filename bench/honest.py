@@ -62,8 +62,14 @@ SWEEP_SEED = quality.SWEEP_SEED
 FIRST_BATCH = 24
 FIRST_LEARNING_RATES = (2.5e-3, 5e-3, 1e-2)  # (b)'s sweep at FIRST_BATCH
 BATCH_LIMITS = (6, 192)
-OUTER_LEARNING_RATES = (0.7, 1.0, 1.4)
+OUTER_FACTORS = (0.7, 1.0, 1.4)
 INNER_FACTORS = (0.5, 1.0, 2.0)
+# The outer optimizers the learners' sweeps choose among first, each at its own learning rate: the
+# recipe's (None: Shampoo-directed, SGD-grafted, momentum 0.5, lr 1), DiLoCo's Nesterov (lr 0.7, momentum
+# 0.9), and plain averaging (lr 1, no momentum: the next anchor is the mixed learners' weights). A
+# hierarchical run crosses islands only every so often, so its outer step sees many rounds' progress at once.
+OUTER_OPTIMIZERS = {"nesterov": {"name": "nesterov", "lr": 0.7, "momentum": 0.9},
+                    "averaging": {"name": "nesterov", "lr": 1.0, "momentum": 0.0}}
 CURVE_POINTS = 10
 # Each tuned kind is tried once more at its chosen settings with these (seed 0, validation split), and
 # keeps them where they help: the published work trained with both.
@@ -101,14 +107,16 @@ def recipe(config: Path, seed: int) -> dict:
 class HonestArm:
     """One run. `kind`: "standard" (b), "single" (c), "islands" or "butterfly_today"; `lr`: standard
     training's learning rate, or the learners' inner one (None: the recipe's); `outer_lr`: the learners'
-    outer learning rate (None: the recipe's); `batch`: standard training's global batch; `stable`: the
-    model with QK-LayerNorm and z-loss (`STABILITY`)."""
+    outer learning rate (None: the recipe's); `outer_optimizer`: a key of OUTER_OPTIMIZERS (None: the
+    recipe's); `batch`: standard training's global batch; `stable`: the model with QK-LayerNorm and z-loss
+    (`STABILITY`)."""
 
     kind: str
     seed: int
     lr: float | None = None
     batch: int | None = None
     outer_lr: float | None = None
+    outer_optimizer: str | None = None
     stable: bool = False
 
     @property
@@ -121,6 +129,7 @@ class HonestArm:
         if self.kind == "standard":
             return f"b-b{self.batch}-lr{self.lr:g}{stable}-s{self.seed}"
         settings = (f"-lr{self.lr:g}" if self.lr is not None else "") + \
+                   (f"-{self.outer_optimizer}" if self.outer_optimizer else "") + \
                    (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "")
         return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}-s{self.seed}"
 
@@ -134,8 +143,10 @@ class HonestArm:
         if self.kind == "single":
             raw = one_learner(raw)
         overrides = {"training": {"lr": self.lr}} if self.lr is not None else {}
-        if self.outer_lr is not None:
-            overrides["sync"] = {"outer": {"lr": self.outer_lr}}
+        outer = {**(OUTER_OPTIMIZERS[self.outer_optimizer] if self.outer_optimizer else {}),
+                 **({"lr": self.outer_lr} if self.outer_lr is not None else {})}
+        if outer:
+            overrides["sync"] = {"outer": outer}
         return merged(raw, overrides)
 
     def spec(self) -> RunSpec:
@@ -152,8 +163,8 @@ def load_results() -> dict[str, dict]:
 class Plan:
     todo: list[HonestArm]
     b: tuple[int, float] | None = None  # (global batch, learning rate)
-    c: tuple[float, float] | None = None  # (inner, outer learning rate)
-    islands: tuple[float, float] | None = None
+    c: tuple[float, float, str | None] | None = None  # (inner, outer learning rate, outer optimizer)
+    islands: tuple[float, float, str | None] | None = None
     stable: dict[str, bool] = field(default_factory=dict)  # kind: whether QK-LayerNorm and z-loss helped it
 
     def swept(self, kind: str, seed: int) -> HonestArm | None:
@@ -163,7 +174,7 @@ class Plan:
         if kind == "standard":
             return self.b and HonestArm(kind, seed, lr=self.b[1], batch=self.b[0])
         rates = self.c if kind == "single" else self.islands
-        return rates and HonestArm(kind, seed, lr=rates[0], outer_lr=rates[1])
+        return rates and HonestArm(kind, seed, lr=rates[0], outer_lr=rates[1], outer_optimizer=rates[2])
 
     def chosen(self, kind: str, seed: int) -> HonestArm | None:
         """The arm of `kind` at its chosen settings on `seed`, stability included; None until chosen."""
@@ -179,26 +190,35 @@ def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float
                                         FIRST_BATCH, FIRST_LEARNING_RATES, BATCH_LIMITS)
 
 
-def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], tuple[float, float] | None]:
-    """A learners' arm: its outer learning rate swept at the recipe's inner rate (single: the other way
-    round, inner first, as standard training's rate is), then the other rate at the best of the first."""
-    inner0, outer0 = recipe_rates()
+def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], tuple[float, float, str | None] | None]:
+    """A learners' arm: its outer optimizer chosen first (the recipe's or one of OUTER_OPTIMIZERS, each at
+    its own rate, at the recipe's inner rate), then its outer learning rate swept at the recipe's inner
+    rate, then its inner rate at the best of those (single: inner first, then outer, as standard
+    training's rate is swept first)."""
+    inner0, recipe_outer = recipe_rates()
     inner_grid = tuple(quality.nice(inner0 * k) for k in INNER_FACTORS)
+    candidates = {None: recipe_outer, **{name: o["lr"] for name, o in OUTER_OPTIMIZERS.items()}}
+    arms = {name: HonestArm(kind, SWEEP_SEED, lr=inner0, outer_lr=lr, outer_optimizer=name) for name, lr in candidates.items()}
+    todo = [arm for arm in arms.values() if arm.name not in results]
+    if todo:
+        return todo, None
+    optimizer = min(arms, key=lambda name: quality.validation_score(results[arms[name].name]))
+    outer0, outer_grid = candidates[optimizer], tuple(quality.nice(candidates[optimizer] * k) for k in OUTER_FACTORS)
+
+    def arm(lr: float, outer_lr: float) -> HonestArm:
+        return HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer_lr, outer_optimizer=optimizer)
+
     if kind == "single":
-        todo, inner = quality.interior_sweep(results, lambda lr: HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer0),
-                                             inner_grid)
+        todo, inner = quality.interior_sweep(results, lambda lr: arm(lr, outer0), inner_grid)
         if inner is None:
             return todo, None
-        todo, outer = quality.interior_sweep(results, lambda o: HonestArm(kind, SWEEP_SEED, lr=inner, outer_lr=o),
-                                             OUTER_LEARNING_RATES, step=1.4)
+        todo, outer = quality.interior_sweep(results, lambda o: arm(inner, o), outer_grid, step=1.4)
     else:
-        todo, outer = quality.interior_sweep(results, lambda o: HonestArm(kind, SWEEP_SEED, lr=inner0, outer_lr=o),
-                                             OUTER_LEARNING_RATES, step=1.4)
+        todo, outer = quality.interior_sweep(results, lambda o: arm(inner0, o), outer_grid, step=1.4)
         if outer is None:
             return todo, None
-        todo, inner = quality.interior_sweep(results, lambda lr: HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer),
-                                             inner_grid)
-    return (todo, None) if todo else ([], (inner, outer))
+        todo, inner = quality.interior_sweep(results, lambda lr: arm(lr, outer), inner_grid)
+    return (todo, None) if todo else ([], (inner, outer, optimizer))
 
 
 def plan(results: dict[str, dict]) -> Plan:
@@ -229,7 +249,7 @@ def plan(results: dict[str, dict]) -> Plan:
 def run(log: Log) -> None:
     def train(arm: HonestArm, finished: dict[str, dict]) -> dict:
         return {**quality.run_arm(arm, log, curve=arm.kind == "standard"), "kind": arm.kind, "outer_lr": arm.outer_lr,
-                "stable": arm.stable}
+                "outer_optimizer": arm.outer_optimizer, "stable": arm.stable}
 
     run_arms(RESULTS, lambda finished: plan(finished).todo, train, lambda: write_page(log), log, CPU_LOCK)
 
@@ -262,8 +282,10 @@ def summary(results: dict[str, dict]) -> dict:
     out = {**recorded(list(results.values())), "tokens_per_active_parameter": TOKENS_PER_ACTIVE_PARAMETER,
            "tokens": any_result and any_result["tokens"],
            "settings": {"b": chosen.b and {"global_batch": chosen.b[0], "lr": chosen.b[1]},
-                        "c": chosen.c and {"inner_lr": chosen.c[0], "outer_lr": chosen.c[1]},
-                        "islands": chosen.islands and {"inner_lr": chosen.islands[0], "outer_lr": chosen.islands[1]},
+                        "c": chosen.c and {"inner_lr": chosen.c[0], "outer_lr": chosen.c[1],
+                                           "outer_optimizer": chosen.c[2] or "recipe"},
+                        "islands": chosen.islands and {"inner_lr": chosen.islands[0], "outer_lr": chosen.islands[1],
+                                                       "outer_optimizer": chosen.islands[2] or "recipe"},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
            "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
     for evaluation in (any_result["bpb"] if any_result else {}):
@@ -295,10 +317,11 @@ def page(table: dict, results: dict[str, dict]) -> str:
              "- (b) standard training: " + (f"global batch {settings['b']['global_batch']}, learning rate "
                                            f"{settings['b']['lr']:g}" if settings["b"] else "sweep not finished"),
              "- (c) one learner: " + (f"inner learning rate {settings['c']['inner_lr']:g}, outer "
-                                     f"{settings['c']['outer_lr']:g}" if settings["c"] else "sweep not finished"),
+                                     f"{settings['c']['outer_lr']:g} ({settings['c']['outer_optimizer']})"
+                                     if settings["c"] else "sweep not finished"),
              "- islands (configs/brief-hierarchical.yaml, 8 learners): " +
-             (f"inner learning rate {settings['islands']['inner_lr']:g}, outer {settings['islands']['outer_lr']:g}"
-              if settings["islands"] else "sweep not finished"),
+             (f"inner learning rate {settings['islands']['inner_lr']:g}, outer {settings['islands']['outer_lr']:g} "
+              f"({settings['islands']['outer_optimizer']})" if settings["islands"] else "sweep not finished"),
              "- butterfly today: configs/brief.yaml, untuned",
              "- QK-LayerNorm and z-loss (1e-4), kept where they helped on validation: " +
              (", ".join(f"{LABELS[k]} {'yes' if v else 'no'}" for k, v in settings["qk_norm_and_z_loss"].items())
