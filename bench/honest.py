@@ -223,16 +223,16 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
 
 def plan(results: dict[str, dict]) -> Plan:
     """The islands and today's butterfly at the recipe's settings first (the first reading of the
-    headline), then (b)'s sweeps, (c)'s and the islands' sweeps, then each tuned kind with QK-LayerNorm
-    and z-loss, then seeds 1, 2."""
+    headline), then the islands', (b)'s and (c)'s sweeps, then each tuned kind with QK-LayerNorm and
+    z-loss, then seeds 1, 2."""
     out = Plan([])
     inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
+    todo, out.islands = learner_sweep(results, "islands")
+    out.todo += todo
     todo, out.b = b_sweep(results)
     out.todo += todo
     todo, out.c = learner_sweep(results, "single")
-    out.todo += todo
-    todo, out.islands = learner_sweep(results, "islands")
     out.todo += todo
     for kind in ("standard", "single", "islands"):
         if (plain := out.swept(kind, SWEEP_SEED)) is not None:
