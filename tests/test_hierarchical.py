@@ -89,8 +89,9 @@ def assert_same_state(states):
     assert all(s.keys() == states[0].keys() and all(torch.equal(s[k], states[0][k]) for k in s) for s in states[1:])
 
 
-def test_a_round_that_does_not_cross_gives_each_island_its_exact_mean_and_leaves_the_anchor(tmp_path):
-    spec = spec_of(tmp_path, outer=NESTEROV)
+@pytest.mark.parametrize("compression", ["none", "int4"])  # messages inside an island go exact either way
+def test_a_round_that_does_not_cross_gives_each_island_its_exact_mean_and_leaves_the_anchor(tmp_path, compression):
+    spec = spec_of(tmp_path, outer=NESTEROV, compression=compression)
     group = Group(spec, tmp_path)
     tokens = [slot.tokens_per_round() for slot in spec.learners]
     assert tokens[0] != tokens[2]

@@ -178,13 +178,22 @@ def message_key(fragments: int, learner: int, round_index: int, crossing: bool =
     return (layout.crossing_message if crossing else layout.message)(learner, round_index, fragment)
 
 
+def message_codec(spec: RunSpec, crossing: bool = False) -> Codec:
+    """How a message is encoded: with the run's codec, but for a hierarchical round's message, which
+    stays inside its island on the island's own fast path and is mixed exactly there, as fp32."""
+    settings = spec.sync.transport
+    if spec.sync.mode == "hierarchical" and not crossing:
+        return Codec("none")
+    return Codec(settings.compression, settings.scale_chunk, settings.topk)
+
+
 def expected_message(spec: RunSpec, learner: int, round_index: int, numel: int,
                      crossing: bool = False) -> ExpectedMessage:
     """What learner `learner`'s message of a round is by the run's plan, `numel` elements a field. A
     crossing's message (hierarchical mode) carries the learner's slice of its island's anchor and
     pseudo-gradient, weighed by the island's tokens."""
     settings = spec.sync.transport
-    lossless = Codec(settings.compression, settings.scale_chunk, settings.topk).lossless
+    lossless = message_codec(spec, crossing).lossless
     members = island_members(spec, learner)
     tokens = island_tokens(spec, members) if crossing else spec.learners[learner].tokens_per_round()
     return ExpectedMessage(learner=learner, round=round_index, fragment=fragment_of_round(round_index, settings.fragments),
@@ -290,7 +299,8 @@ class Exchanger:
         self.fragments = [Fragment(f, index, initial[index].clone(),
                                    OuterOptimizer.from_spec(spec.sync.outer, [shapes[name] for name in names]))
                           for f, (index, names) in enumerate(zip(self.layout.indices, self.layout.names))]
-        self.codec = Codec(settings.compression, settings.scale_chunk, settings.topk)
+        self.codec = message_codec(spec, crossing=True)  # every message but a hierarchical round's
+        self.round_codec = message_codec(spec)
         # Compressed anchors travel as their difference from the run's initial weights, which every
         # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
         self.initial = initial
@@ -343,19 +353,19 @@ class Exchanger:
         fields = {name: value for name, value in (("anchor", anchor), ("delta", delta)) if name in self.mode.fields}
         published = self._commit(round_index, self._message_key(self.slot.index, round_index),
                                  self._link_class(round_index), fields, fragment.index,
-                                 self._expected(self.slot.index, round_index))
+                                 self._expected(self.slot.index, round_index), self.round_codec)
         published.sent = {"anchor": published.sent.get("anchor", anchor), "delta": published.sent["delta"]}
         return published
 
     def _commit(self, round_index: int, key: str, link: str, fields: dict[str, torch.Tensor],
-                positions: torch.Tensor, expected: ExpectedMessage, residuals: str = "") -> Published:
-        """Encode `fields` (their `positions` in the flat vector) with error feedback (the residuals
-        under `residuals`) and commit them under `key` as `expected` describes; `sent`: the fields as
-        peers decode them."""
-        if not self.codec.lossless:
+                positions: torch.Tensor, expected: ExpectedMessage, codec: Codec, residuals: str = "") -> Published:
+        """Encode `fields` (their `positions` in the flat vector) with `codec`, with error feedback (the
+        residuals under `residuals`) where it is lossy, and commit them under `key` as `expected`
+        describes; `sent`: the fields as peers decode them."""
+        if not codec.lossless:
             fields = {name: value - self.initial[positions] if name == "anchor" else value
                       for name, value in fields.items()}
-        payload, decoded, residual = (dict(fields), dict(fields), {}) if self.codec.lossless else \
+        payload, decoded, residual = (dict(fields), dict(fields), {}) if codec.lossless else \
             self.feedback.encode(fields, positions, sparsify={"anchor": False}, residuals=residuals)
         nbytes = 0
         try:
@@ -363,17 +373,17 @@ class Exchanger:
         except ObjectExists:
             try:
                 sent, sent_meta, _ = self.channel.read_own(key, link, expected.max_bytes)
-                decoded = accept_message(sent, sent_meta, expected, self.codec)
+                decoded = accept_message(sent, sent_meta, expected, codec)
                 # A previous life's message is close to what this life would send; one that is not
                 # was not ours to adopt, whoever wrote it.
                 check_bounds(decoded, fields)
-                residual = self.feedback.residual_after(fields, positions, decoded, residuals)
+                residual = {} if codec.lossless else self.feedback.residual_after(fields, positions, decoded, residuals)
             except (StoreError, MessageRejected) as err:
                 # Someone else wrote our key first: peers refuse it as we do (or, if it passes their
                 # checks, it is bounded like any peer's); mix with our own, keep the residual as it was.
                 emit("own_message_refused", learner=self.slot.index, round=round_index, reason=str(err))
                 decoded, residual = dict(fields), {}
-        if not self.codec.lossless and "anchor" in decoded:
+        if not codec.lossless and "anchor" in decoded:
             decoded["anchor"] = decoded["anchor"] + self.initial[positions]
         return Published(decoded, residual, nbytes)
 
@@ -386,18 +396,19 @@ class Exchanger:
         Whatever goes wrong with a peer's message is a missed exchange, never this learner's end: a
         store that refuses us, bytes of any shape, records that lie."""
         return self._receive(peer, round_index, self._message_key(peer, round_index), self._expected(peer, round_index),
-                             self.fragment_of(round_index).index, deadline, own)
+                             self.round_codec, self.fragment_of(round_index).index, deadline, own)
 
-    def _receive(self, peer: int, round_index: int, key: str, expected: ExpectedMessage, positions: torch.Tensor,
-                 deadline: float | None, own: dict[str, torch.Tensor] | None) -> Receipt:
-        """`receive` of the message under `key`, whose fields lie at `positions` of the flat vector."""
+    def _receive(self, peer: int, round_index: int, key: str, expected: ExpectedMessage, codec: Codec,
+                 positions: torch.Tensor, deadline: float | None, own: dict[str, torch.Tensor] | None) -> Receipt:
+        """`receive` of the message under `key`, encoded with `codec`, whose fields lie at `positions` of
+        the flat vector."""
         try:
-            return self._fetch(peer, round_index, key, expected, positions, deadline, own)
+            return self._fetch(peer, round_index, key, expected, codec, positions, deadline, own)
         except Exception as err:  # noqa: BLE001 - a peer's data must cost an exchange, never the run
             return self._missed(peer, round_index, f"unreadable: {type(err).__name__}")
 
-    def _fetch(self, peer: int, round_index: int, key: str, expected: ExpectedMessage, positions: torch.Tensor,
-               deadline: float | None, own: dict[str, torch.Tensor] | None) -> Receipt:
+    def _fetch(self, peer: int, round_index: int, key: str, expected: ExpectedMessage, codec: Codec,
+               positions: torch.Tensor, deadline: float | None, own: dict[str, torch.Tensor] | None) -> Receipt:
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         link = self.links[peer]
         wait_ends = time.monotonic() + timeout
@@ -416,7 +427,7 @@ class Exchanger:
         except StoreError as err:  # the peer's store is out of reach: its site, or the link
             return self._missed(peer, round_index, f"unreachable: {err}")
         try:
-            message = accept_message(payload, meta, expected, self.codec)
+            message = accept_message(payload, meta, expected, codec)
             if expected.anchor_from_initial and "anchor" in message:
                 message["anchor"] = message["anchor"] + self.initial[positions]
             if own is not None:
@@ -535,13 +546,13 @@ class Exchanger:
         published = self._commit(round_index, self._message_key(me, round_index, crossing=True),
                                  "inter" if "inter" in self.links else "intra", exact,
                                  self._slice_positions(fragment, me), self._expected(me, round_index, crossing=True),
-                                 residuals=CROSSING_RESIDUALS)
+                                 self.codec, residuals=CROSSING_RESIDUALS)
         result.bytes_sent += published.bytes_written
         result.crossing_residual = published.residual
         heard = {me: exact if self._mixes_own_exact() else published.sent}
         for peer in self.mode.crossing_sources(me, self.links):
             receipt = self._receive(peer, round_index, self._message_key(peer, round_index, crossing=True),
-                                    self._expected(peer, round_index, crossing=True),
+                                    self._expected(peer, round_index, crossing=True), self.codec,
                                     self._slice_positions(fragment, peer), deadline, own=island_values(peer))
             if self._book(result, receipt, round_index, crossing=True):
                 heard[peer] = receipt.message.fields

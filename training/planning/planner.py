@@ -28,11 +28,11 @@ from safetensors.torch import save as save_safetensors
 from infra.authority import placeholder_signature
 from infra.spec import RunSpec
 from infra.store import ObjectRef, json_document
-from training.exchange.compression import Codec
 from training.exchange.fragments import assign_fragments, fragment_of_round
 from training.model.registry import build_model
 from training.planning.windows import Stretch, WindowedClock, windows_plan
-from training.exchange.exchanger import SYNC_MODES, Hierarchical, crossing_slices, expected_message, message_key
+from training.exchange.exchanger import (SYNC_MODES, Hierarchical, crossing_slices, expected_message, message_codec,
+                                         message_key)
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
 # Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
@@ -61,10 +61,10 @@ def fragment_sizes_of(model: torch.nn.Module, spec: RunSpec) -> list[int]:
 
 def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0, crossing: bool = False) -> int:
     """Bytes a learner reads for one peer's message of a fragment of `numel` elements (`crossing`: a
-    hierarchical crossing's message, of a slice of `numel` elements): the tensors as the run's codec
-    encodes them, and the JSON commit that points at them."""
+    hierarchical crossing's message, of a slice of `numel` elements): the tensors as the message's codec
+    (`message_codec`) encodes them, and the JSON commit that points at them."""
     settings = spec.sync.transport
-    codec = Codec(settings.compression, settings.scale_chunk, settings.topk)
+    codec = message_codec(spec, crossing)
     expected = expected_message(spec, learner, round_index, numel, crossing)
 
     def tensors(n: int) -> int:
