@@ -305,9 +305,10 @@ class Exchanger:
         # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
         self.initial = initial
         self.hierarchical = isinstance(self.mode, Hierarchical)
-        # A crossing's message has residuals of its own: it carries the island's values, not the learner's.
-        residuals = ("anchor", "delta") + (tuple(CROSSING_RESIDUALS + f for f in CROSSING_FIELDS)
-                                           if self.hierarchical else ())
+        # A round's message keeps residuals only where it is compressed (not a hierarchical round's); a
+        # crossing's has its own: it carries the island's values, not the learner's.
+        residuals = (() if self.round_codec.lossless else ("anchor", "delta")) + \
+            (tuple(CROSSING_RESIDUALS + f for f in CROSSING_FIELDS) if self.hierarchical else ())
         self.feedback = ErrorFeedback(self.codec, initial.numel(), residuals, settings.error_feedback)
         self.links = ["intra" if peer.island.name == slot.island.name else "inter" for peer in spec.learners]
         self.slices = crossing_slices(spec, self.layout.sizes) if self.hierarchical else []

@@ -22,7 +22,8 @@ The exchange's state lives on the host of the learner's rank 0, as `training.exc
 every fragment's anchor, the outer optimizer's parameter-shaped copy of them, its state (Nesterov's
 momentum, or Shampoo's momentum, graft and per-block statistics and preconditioners) and the
 snapshot of that state checkpoints are written from, the error-feedback residual of both message
-fields when compression is lossy (and of a hierarchical crossing's two fields besides); and while a
+fields when compression is lossy (in hierarchical mode a crossing's two fields, its rounds' messages
+going exact); and while a
 checkpoint is staged, copies of the weights, the anchors, the inner moments and the residual. Host
 memory is reported, not checked.
 """
@@ -265,8 +266,9 @@ def host_bytes(spec: RunSpec, sizes: ModelSizes) -> dict[str, int]:
     """The exchange's state on the host of a learner's rank 0, by part (see the module's docstring)."""
     vector = FP32 * sizes.parameters
     transport = spec.sync.transport
-    residuals = 4 if spec.sync.mode == "hierarchical" else 2  # a crossing's message keeps residuals of its own
-    feedback = residuals * vector if transport.error_feedback and (transport.compression != "none" or transport.topk < 1) else 0
+    # Two fields' residuals: a round message's, or in hierarchical mode, whose rounds' messages go exact,
+    # a crossing's.
+    feedback = 2 * vector if transport.error_feedback and (transport.compression != "none" or transport.topk < 1) else 0
     # Hierarchical rounds that do not cross islands leave the weights apart from the anchors.
     anchors_checkpointed = transport.fragments > 1 or transport.tau > 0 or spec.sync.mode == "hierarchical"
     return {"initial weights": vector, "anchors": vector, "outer parameters": vector,
