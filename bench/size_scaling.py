@@ -27,6 +27,7 @@ docs/results/size-scaling.md are rebuilt after every arm.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -76,6 +77,7 @@ def data_spec() -> dict:
     return {"data": raw["data"], "training": {"warmup_steps": raw["training"]["warmup_steps"], "checkpoint_every": 100_000}}
 
 
+@functools.cache
 def parameters(size: str) -> int:
     return build_model(parse_spec(layout(size, 1, REFERENCE_BATCH, 1))).parameter_counts()["total"]
 
