@@ -66,8 +66,7 @@ OUTER_FACTORS = (0.7, 1.0, 1.4)
 INNER_FACTORS = (0.5, 1.0, 2.0)
 # The outer optimizers the learners' sweeps choose among first, each at its own learning rate: the
 # recipe's (None: Shampoo-directed, SGD-grafted, momentum 0.5, lr 1), DiLoCo's Nesterov (lr 0.7, momentum
-# 0.9), and plain averaging (lr 1, no momentum: the next anchor is the mixed learners' weights). A
-# hierarchical run crosses islands only every so often, so its outer step sees many rounds' progress at once.
+# 0.9), and plain averaging (lr 1, no momentum: the next anchor is the mixed learners' weights).
 OUTER_OPTIMIZERS = {"nesterov": {"name": "nesterov", "lr": 0.7, "momentum": 0.9},
                     "averaging": {"name": "nesterov", "lr": 1.0, "momentum": 0.0}}
 CURVE_POINTS = 10

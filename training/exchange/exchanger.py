@@ -7,9 +7,7 @@ anchor θ, and on the transport thread commits the message (compressed with erro
 the codec is lossy), then fetches and validates each peer's (`training.exchange.messages`), mixes them (the
 sync mode) and takes the fragment's outer optimizer step, all while the learner goes on computing.
 `tau` inner steps later the learner applies the exchange: the fragment moves to the new anchor plus
-the local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)). In hierarchical mode
-a round that does not cross islands leaves the anchor (and the outer optimizer) as it is and moves
-the weights to the island's mean instead: x_f <- (θ_f − Δ_I) + (x_f(now) − x_f(sent)).
+the local progress made since it was sent: x_f <- θ'_f + (x_f(now) − x_f(sent)).
 
 The exchanger talks to the stores only through its channel (`training.exchange.channel.Channel`:
 `submit`, `send`, `read_own`, `fetch`; the real one is `training.exchange.transport.Transport`), so it
@@ -49,8 +47,6 @@ class SyncMode:
     """Who a learner's peers are in a round, which fields its message carries, how messages mix."""
 
     fields: tuple[str, ...]
-    # Whether a fragment's weights are its anchor right after an exchange is applied.
-    weights_are_anchor = True
 
     def peers(self, me: int, round_index: int, fragments: int, links: list[str],
               inter_island_every: int = 1) -> list[int]:
@@ -106,13 +102,12 @@ class AllReduce(SyncMode):
 
 
 class Hierarchical(SyncMode):
-    """An exact mean inside each island every round, a crossing between islands in every
-    `inter_island_every`-th exchange of a fragment, one anchor and outer optimizer state shared by all
-    learners (training/exchange/mixing.py). A round's peers are the learner's own island; the
-    crossing's sources are every other learner, each with its slice of its island's fragment."""
+    """An exact mean inside each island and an outer step along it every round; in every
+    `inter_island_every`-th exchange of a fragment a crossing first mixes the islands' anchors and means
+    (training/exchange/mixing.py). A round's peers are the learner's own island; the crossing's sources
+    are every other learner, each with its slice of its island's fragment."""
 
     fields = ("delta",)
-    weights_are_anchor = False
 
     def peers(self, me, round_index, fragments, links, inter_island_every=1):
         return [p for p in range(len(links)) if p != me and links[p] == "intra"]
@@ -138,7 +133,7 @@ def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Rec
 
 
 SYNC_MODES: dict[str, SyncMode] = {"butterfly": Butterfly(), "allreduce": AllReduce(), "hierarchical": Hierarchical()}
-CROSSING_FIELDS = ("anchor", "delta")
+CROSSING_FIELDS = ("anchor",)
 CROSSING_RESIDUALS = "crossing."  # where a crossing's message keeps its error-feedback residuals
 
 
@@ -150,11 +145,6 @@ def islands_of(spec: RunSpec) -> list[list[int]]:
 def island_members(spec: RunSpec, learner: int) -> list[int]:
     """The learners of `learner`'s island, in order."""
     return next(members for members in islands_of(spec) if learner in members)
-
-
-def island_tokens(spec: RunSpec, members: list[int]) -> int:
-    """What an island's crossing message is weighed by: its learners' tokens of a round, by the plan."""
-    return sum(spec.learners[m].tokens_per_round() for m in members)
 
 
 def crossing_slices(spec: RunSpec, sizes: list[int]) -> list[list[tuple[int, int]]]:
@@ -190,14 +180,12 @@ def message_codec(spec: RunSpec, crossing: bool = False) -> Codec:
 def expected_message(spec: RunSpec, learner: int, round_index: int, numel: int,
                      crossing: bool = False) -> ExpectedMessage:
     """What learner `learner`'s message of a round is by the run's plan, `numel` elements a field. A
-    crossing's message (hierarchical mode) carries the learner's slice of its island's anchor and
-    pseudo-gradient, weighed by the island's tokens."""
+    crossing's message (hierarchical mode) carries the learner's slice of its island's anchor."""
     settings = spec.sync.transport
     lossless = message_codec(spec, crossing).lossless
     members = island_members(spec, learner)
-    tokens = island_tokens(spec, members) if crossing else spec.learners[learner].tokens_per_round()
     return ExpectedMessage(learner=learner, round=round_index, fragment=fragment_of_round(round_index, settings.fragments),
-                           tokens=tokens, numel=numel,
+                           tokens=spec.learners[learner].tokens_per_round(), numel=numel,
                            fields=CROSSING_FIELDS if crossing else SYNC_MODES[spec.sync.mode].fields,
                            anchor_from_initial=not lossless, slice_index=members.index(learner) if crossing else None)
 
@@ -271,9 +259,6 @@ class ExchangeResult:
     refused: int = 0  # peers' messages that came and were refused
     anchor: torch.Tensor | None = None  # the fragment's next anchor: the mix after the outer step
     outer_state: tuple[dict[str, torch.Tensor], dict] | None = None  # the outer optimizer's, after that step
-    # The fragment's weights after the exchange where they are not its anchor (hierarchical rounds that
-    # do not cross islands: the island's mean); None: the anchor.
-    weights: torch.Tensor | None = None
     crossing_residual: dict[str, torch.Tensor] = field(default_factory=dict)  # over this learner's slice
     seconds: dict[str, float] = field(default_factory=dict)  # the job's parts: publish, receive, cross, outer_step
 
@@ -334,8 +319,7 @@ class Exchanger:
 
     def apply(self, exchange: Exchange, fragment_weights: torch.Tensor) -> tuple[torch.Tensor, ExchangeResult]:
         """Wait for the exchange (if it is still in flight: its job mixes and takes the outer step);
-        returns the fragment's new weights (the new anchor, or the exchange's weights where they are
-        not the anchor, plus the progress made since it was sent).
+        returns the fragment's new weights (the new anchor plus the progress made since it was sent).
         `fragment_weights`: the fragment's weights now, in the order of its `index`."""
         fragment = self.fragments[exchange.fragment]
         result: ExchangeResult = exchange.result.result()
@@ -343,8 +327,7 @@ class Exchanger:
         self.feedback.commit(fragment.index, result.residual)
         if result.crossing_residual:
             self.feedback.commit(self._slice_positions(fragment, self.slot.index), result.crossing_residual)
-        weights = fragment.anchor if result.weights is None else result.weights
-        return weights + (fragment_weights - exchange.sent_weights), result
+        return fragment.anchor + (fragment_weights - exchange.sent_weights), result
 
     def publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor) -> Published:
         """Commit this round's message. If a previous life of this learner already sent one for the
@@ -520,49 +503,49 @@ class Exchanger:
 
     def _mix_hierarchical(self, result: ExchangeResult, round_index: int, fragment: Fragment,
                           own: dict[str, torch.Tensor], deadline: float | None) -> None:
-        """The island's mean; in a round that crosses islands, the crossing and the outer step."""
-        anchor = own["anchor"]
+        """The island's outer step along its mean pseudo-gradient; in a round that crosses islands, then
+        the islands' mean of the anchors that step gave."""
         island_delta = mean_delta(self.slot.index, own["delta"], self.slot.tokens_per_round(), result.received)
-        if not self._crosses(round_index):
-            result.anchor, result.weights = anchor, anchor - island_delta
-            return
-        crossing = time.monotonic()
-        mixed_anchor, mixed_delta = self._cross(result, round_index, fragment, anchor, island_delta, deadline)
-        result.seconds["cross"] = time.monotonic() - crossing
-        result.anchor = fragment.outer.step(mixed_anchor, mixed_delta)
+        result.anchor = fragment.outer.step(own["anchor"], island_delta)
+        if self._crosses(round_index):
+            crossing = time.monotonic()
+            result.anchor = self._cross(result, round_index, fragment, result.anchor, deadline)
+            result.seconds["cross"] = time.monotonic() - crossing
 
     def _cross(self, result: ExchangeResult, round_index: int, fragment: Fragment, anchor: torch.Tensor,
-               island_delta: torch.Tensor, deadline: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Send this learner's slice of its island's (anchor, mean pseudo-gradient), read every other
-        learner's, and mix the islands' (`mean_over_islands`). A slice of this learner's own island that
-        does not arrive is stood in for by this learner's own values of it; one of another island's
-        leaves that island out of the slice's mean."""
+               deadline: float | None) -> torch.Tensor:
+        """Send this learner's slice of its island's new anchor, read every other learner's, and take the
+        islands' mean (`mean_over_islands`). A slice of this learner's own island that does not arrive is
+        stood in for by this learner's own values of it; one of another island's leaves that island out
+        of the slice's mean. A peer's slice is bounded by the island's own anchor there and by how far
+        the island has moved since the run began (its pseudo-gradient over the whole run): islands that
+        trained apart since the last crossing may lie much further apart than one round's step."""
         me, slices = self.slot.index, self.slices[fragment.number]
+        travelled = self.initial[fragment.index] - anchor
 
         def island_values(learner: int) -> dict[str, torch.Tensor]:
             start, end = slices[learner]
-            return {"anchor": anchor[start:end], "delta": island_delta[start:end]}
+            return {"anchor": anchor[start:end], "delta": travelled[start:end]}
 
-        exact = island_values(me)
+        exact = {"anchor": island_values(me)["anchor"]}
         published = self._commit(round_index, self._message_key(me, round_index, crossing=True),
                                  "inter" if "inter" in self.links else "intra", exact,
                                  self._slice_positions(fragment, me), self._expected(me, round_index, crossing=True),
                                  self.codec, residuals=CROSSING_RESIDUALS)
         result.bytes_sent += published.bytes_written
         result.crossing_residual = published.residual
-        heard = {me: exact if self._mixes_own_exact() else published.sent}
+        heard = {me: (exact if self._mixes_own_exact() else published.sent)["anchor"]}
         for peer in self.mode.crossing_sources(me, self.links):
             receipt = self._receive(peer, round_index, self._message_key(peer, round_index, crossing=True),
                                     self._expected(peer, round_index, crossing=True), self.codec,
                                     self._slice_positions(fragment, peer), deadline, own=island_values(peer))
             if self._book(result, receipt, round_index, crossing=True):
-                heard[peer] = receipt.message.fields
+                heard[peer] = receipt.message.fields["anchor"]
             elif self.links[peer] == "intra":
-                heard[peer] = island_values(peer)
-        islands = [(island_tokens(self.spec, members),
-                    [(heard[m]["anchor"], heard[m]["delta"]) if m in heard else None for m in members])
-                   for members in islands_of(self.spec)]
-        return mean_over_islands(int(fragment.index.numel()), islands)
+                heard[peer] = island_values(peer)["anchor"]
+        return mean_over_islands(int(fragment.index.numel()),
+                                 [(sum(self.spec.learners[m].tokens_per_round() for m in members),
+                                   [heard.get(m) for m in members]) for members in islands_of(self.spec)])
 
     def _book(self, result: ExchangeResult, receipt: Receipt, round_index: int, crossing: bool = False) -> bool:
         """Count what reading a peer's message moved; record it as missed if it brought none. Returns

@@ -57,7 +57,7 @@ class ExpectedMessage:
     fragment: int
     tokens: int
     numel: int  # elements of the fragment
-    fields: tuple[str, ...]  # ("anchor", "delta") for butterfly pairs and crossings, ("delta",) for means of Δ
+    fields: tuple[str, ...]  # ("anchor", "delta") for butterfly pairs, ("delta",) for means of Δ, ("anchor",) for crossings
     anchor_from_initial: bool  # compressed anchors travel as their difference from the initial weights
     slice_index: int | None = None  # a hierarchical crossing's message: the sender's slice of its island's fragment
 
@@ -110,9 +110,11 @@ def accept_message(payload: dict[str, torch.Tensor], meta: dict, expected: Expec
 
 def check_bounds(message: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> None:
     """Refuse a decoded message whose pseudo-gradient, or whose anchor's distance from the receiver's,
-    is out of proportion to the receiver's own pseudo-gradient (both fp32 vectors of the fragment)."""
-    step = float(own["delta"].norm()) + BOUND_FLOOR_PER_ELEMENT * own["delta"].numel() ** 0.5
-    if float(message["delta"].norm()) > BOUND_FACTOR * step:
+    is out of proportion to the receiver's own pseudo-gradient (fp32 vectors of the fragment; the
+    receiver's `own` anchor and, where it has one, its pseudo-gradient)."""
+    numel = own["anchor" if "anchor" in own else "delta"].numel()
+    step = (float(own["delta"].norm()) if "delta" in own else 0.0) + BOUND_FLOOR_PER_ELEMENT * numel ** 0.5
+    if "delta" in message and float(message["delta"].norm()) > BOUND_FACTOR * step:
         raise MessageRejected(f"field 'delta' is more than {BOUND_FACTOR:g} times as long as the receiver's own")
     if "anchor" in message and float((message["anchor"] - own["anchor"]).norm()) > \
             BOUND_FACTOR * step + ANCHOR_SPREAD * float(own["anchor"].norm()):

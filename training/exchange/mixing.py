@@ -20,14 +20,14 @@ where n are the tokens each processed this round, and take an outer optimizer st
 alone, partners that step from their own anchors drift apart round after round. Anchors are averaged
 with equal weights so both partners land on the same θ.
 
-Hierarchical mixing. Every learner keeps one global anchor θ_g and one outer optimizer state per
-fragment, the same on every learner of every island. Each round, a learner's pseudo-gradient
-Δ_i = θ_g − x_i goes to the other learners of its island, and each takes the island's
-token-weighted mean Δ_I; its weights become θ_g − Δ_I, the island's exact mean of weights (all
-share θ_g). In every `inter_island_every`-th exchange of a fragment the islands cross: the island's
-j-th learner carries slice j of (θ_g, Δ_I) (`slice_bounds`) to every other learner, and every
-learner averages the islands' slices (`mean_over_islands`: anchors with equal weights, pseudo-
-gradients by the islands' tokens) and takes one outer step from there, its new θ_g.
+Hierarchical mixing. The learners of an island share one anchor θ_I and one outer optimizer state
+per fragment. Each round, a learner's pseudo-gradient Δ_i = θ_I − x_i goes to the other learners of
+its island; each takes the island's token-weighted mean Δ_I and one outer step from θ_I along it, so
+the whole island lands on the same new θ_I: DiLoCo over the island's fast path. In every
+`inter_island_every`-th exchange of a fragment the islands cross right after that step: the island's
+j-th learner carries slice j of its new θ_I (`slice_bounds`) to every other learner, and every learner
+takes the islands' mean anchor (`mean_over_islands`, weighted by the islands' tokens), the same on
+every island. The outer optimizers' states stay each island's own: a crossing moves only the anchors.
 """
 
 from __future__ import annotations
@@ -75,29 +75,26 @@ def slice_bounds(numel: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + size + (part < longer)
 
 
-def mean_over_islands(numel: int, islands: list[tuple[float, list[tuple[torch.Tensor, torch.Tensor] | None]]]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hierarchical crossing's mix of a fragment of `numel` elements. `islands`, in island order:
-    (the island's tokens, its slices in order as `slice_bounds` cuts the fragment into as many parts,
-    each (anchor, pseudo-gradient) or None when it did not arrive). Element by element, the anchor is
-    the equal-weight mean and the pseudo-gradient the token-weighted mean over the islands whose slice
-    holding it arrived, summed in island order, so every learner that heard the same slices gets the
-    same bits. Islands may cut the fragment into different numbers of slices."""
+def mean_over_islands(numel: int, islands: list[tuple[float, list[torch.Tensor | None]]]) -> torch.Tensor:
+    """The hierarchical crossing's mean of a fragment's anchor of `numel` elements. `islands`, in island
+    order: (the island's tokens, its slices in order as `slice_bounds` cuts the fragment into as many
+    parts, each None when it did not arrive). Element by element, the token-weighted mean over the
+    islands whose slice holding it arrived, summed in island order, so every learner that heard the
+    same slices gets the same bits. Islands may cut the fragment into different numbers of slices."""
     cuts = sorted({0, numel} | {bound for _, parts in islands for part in range(len(parts))
                                 for bound in slice_bounds(numel, len(parts), part)})
-    anchor, delta = torch.empty(numel), torch.empty(numel)
+    anchor = torch.empty(numel)
     for low, high in zip(cuts, cuts[1:]):
         present = []
         for tokens, parts in islands:
             for part, values in enumerate(parts):
                 start, end = slice_bounds(numel, len(parts), part)
                 if values is not None and start <= low < end:
-                    present.append((values[0][low - start:high - start], values[1][low - start:high - start], tokens))
+                    present.append((values[low - start:high - start], tokens))
         if not present:
             raise ValueError(f"elements {low} to {high} of the fragment: no island's slice holds them")
-        anchor[low:high] = weighted_mean([p[0] for p in present], [1.0] * len(present))
-        delta[low:high] = weighted_mean([p[1] for p in present], [p[2] for p in present])
-    return anchor, delta
+        anchor[low:high] = weighted_mean([p[0] for p in present], [p[1] for p in present])
+    return anchor
 
 
 def mix_pair(anchor: torch.Tensor, delta: torch.Tensor, tokens: float,

@@ -122,8 +122,8 @@ class OuterOptimizer:
                     not all(type(v) is int and 0 <= v <= MAX_OUTER_STEPS for v in saved.values()):
                 raise StateRejected("outer optimizer state: a param group may only restore its step count")
         if not ours and not params and not any(groups):
-            # A checkpoint from before the first outer step (hierarchical rounds that do not cross islands
-            # leave the optimizer so): the fresh optimizer is that state, which built state is not.
+            # A checkpoint from before the fragment's first outer step (its first exchange not yet applied):
+            # the fresh optimizer is that state, which built state is not.
             return
         self.materialise_state()
         slots = {f"{i}.{path}": slot for i, p in enumerate(self.params)

@@ -100,9 +100,8 @@ class LearnerState:
             return None
         exchanger_tensors, outer_scalars = self.exchanger.state_dict()
         tensors = {"weights": weights, **exchanger_tensors}
-        # With one fragment and nothing in flight, the anchor is the weights the round ended on (unless the
-        # sync mode moves the weights elsewhere: hierarchical rounds that do not cross islands).
-        if len(self.exchanger.fragments) > 1 or pending is not None or not self.exchanger.mode.weights_are_anchor:
+        # With one fragment and nothing in flight, the anchor is the weights the round ended on.
+        if len(self.exchanger.fragments) > 1 or pending is not None:
             tensors["anchors"] = self.exchanger.anchors()
         tensors.update(moments)
         first = self.inner.state.get(next(self.model.parameters()), {})

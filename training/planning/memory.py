@@ -22,7 +22,7 @@ The exchange's state lives on the host of the learner's rank 0, as `training.exc
 every fragment's anchor, the outer optimizer's parameter-shaped copy of them, its state (Nesterov's
 momentum, or Shampoo's momentum, graft and per-block statistics and preconditioners) and the
 snapshot of that state checkpoints are written from, the error-feedback residual of both message
-fields when compression is lossy (in hierarchical mode a crossing's two fields, its rounds' messages
+fields when compression is lossy (in hierarchical mode a crossing's one field, its rounds' messages
 going exact); and while a
 checkpoint is staged, copies of the weights, the anchors, the inner moments and the residual. Host
 memory is reported, not checked.
@@ -266,11 +266,12 @@ def host_bytes(spec: RunSpec, sizes: ModelSizes) -> dict[str, int]:
     """The exchange's state on the host of a learner's rank 0, by part (see the module's docstring)."""
     vector = FP32 * sizes.parameters
     transport = spec.sync.transport
-    # Two fields' residuals: a round message's, or in hierarchical mode, whose rounds' messages go exact,
-    # a crossing's.
-    feedback = 2 * vector if transport.error_feedback and (transport.compression != "none" or transport.topk < 1) else 0
-    # Hierarchical rounds that do not cross islands leave the weights apart from the anchors.
-    anchors_checkpointed = transport.fragments > 1 or transport.tau > 0 or spec.sync.mode == "hierarchical"
+    # A message's fields' residuals: a round message's two, or in hierarchical mode, whose rounds' messages
+    # go exact, a crossing's anchor.
+    fields = 1 if spec.sync.mode == "hierarchical" else 2
+    lossy = transport.error_feedback and (transport.compression != "none" or transport.topk < 1)
+    feedback = fields * vector if lossy else 0
+    anchors_checkpointed = transport.fragments > 1 or transport.tau > 0
     return {"initial weights": vector, "anchors": vector, "outer parameters": vector,
             "outer state": FP32 * sizes.outer_state, "outer state snapshot": FP32 * sizes.outer_state,
             "error-feedback residual": feedback,
