@@ -8,10 +8,11 @@ same held-out documents, with the bits kept per document for a paired bootstrap.
 - `b`: standard training at its best global batch and learning rate: the learning rate swept per
   batch, and the batch swept (halving or doubling past whichever edge wins) until both optima are
   interior;
-- `c`: one learner (M=1) with the islands' rows per round, inner and outer optimizer: its inner
-  learning rate swept, then its outer learning rate;
-- `islands`: configs/brief-hierarchical.yaml (exact means inside each island, crossings between
-  them), its outer learning rate swept, then its inner learning rate;
+- `c`: one learner (M=1) with the islands' rows per round, inner and outer optimizer: its outer
+  optimizer chosen, its inner learning rate swept, then its outer learning rate, then its global batch;
+- `islands`: configs/brief-hierarchical.yaml (DiLoCo inside each island on exact means, crossings
+  between them): its outer optimizer chosen, its outer learning rate swept, then its inner learning
+  rate, then its global batch (rows per inner step, inner steps per round scaled inversely);
 - `butterfly_today`: configs/brief.yaml as it is, untuned.
 
 Every sweep runs on seed 0 and ranks by the validation split only (the mean over its evaluations);
@@ -38,6 +39,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +66,11 @@ FIRST_LEARNING_RATES = (2.5e-3, 5e-3, 1e-2)  # (b)'s sweep at FIRST_BATCH
 BATCH_LIMITS = (6, 192)
 OUTER_FACTORS = (0.7, 1.0, 1.4)
 INNER_FACTORS = (0.5, 1.0, 2.0)
+BATCH_FACTORS = (0.5, 1.0, 2.0)
+# The islands' global batch scales every island's rows per inner step and, inversely, its inner steps
+# per round: tokens per round, rounds and outer steps stay the recipe's. West's 2 processes per learner
+# need 2 rows and east's round at least one step: 12 to 96 for the recipe's 48.
+ISLAND_BATCH_LIMITS = (12, 96)
 # The outer optimizers the learners' sweeps choose among first, each at its own learning rate: the
 # recipe's (None: Shampoo-directed, SGD-grafted, momentum 0.5, lr 1), DiLoCo's Nesterov (lr 0.7, momentum
 # 0.9), and plain averaging (lr 1, no momentum: the next anchor is the mixed learners' weights).
@@ -102,13 +109,33 @@ def recipe(config: Path, seed: int) -> dict:
     return raw
 
 
+def global_batch(raw: dict) -> int:
+    """A raw spec's rows per inner step over all its learners."""
+    return sum(island["learners"] * island["batch_size"] for island in raw["islands"])
+
+
+def with_global_batch(raw: dict, batch: int) -> dict:
+    """`raw` with every island's rows per inner step scaled to a global batch of `batch`, and its inner
+    steps per round scaled inversely (tokens per round, rounds and outer steps unchanged)."""
+    scale = Fraction(batch, global_batch(raw))
+    islands = []
+    for island in raw["islands"]:
+        rows, steps = island["batch_size"] * scale, island["inner_steps"] / scale
+        if rows.denominator != 1 or steps.denominator != 1:
+            raise ValueError(f"global batch {batch}: island {island['name']} would take {float(rows):g} rows "
+                             f"and {float(steps):g} inner steps, not whole numbers")
+        islands.append({**island, "batch_size": int(rows), "inner_steps": int(steps)})
+    return {**raw, "islands": islands}
+
+
 @dataclass(frozen=True)
 class HonestArm:
     """One run. `kind`: "standard" (b), "single" (c), "islands" or "butterfly_today"; `lr`: standard
     training's learning rate, or the learners' inner one (None: the recipe's); `outer_lr`: the learners'
     outer learning rate (None: the recipe's); `outer_optimizer`: a key of OUTER_OPTIMIZERS (None: the
-    recipe's); `batch`: standard training's global batch; `stable`: the model with QK-LayerNorm and z-loss
-    (`STABILITY`)."""
+    recipe's); `stable`: the model with QK-LayerNorm and z-loss
+    (`STABILITY`); `batch`: standard training's global batch, or the islands' rows per inner step over all
+    learners (None: the recipe's)."""
 
     kind: str
     seed: int
@@ -129,7 +156,8 @@ class HonestArm:
             return f"b-b{self.batch}-lr{self.lr:g}{stable}-s{self.seed}"
         settings = (f"-lr{self.lr:g}" if self.lr is not None else "") + \
                    (f"-{self.outer_optimizer}" if self.outer_optimizer else "") + \
-                   (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "")
+                   (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "") + \
+                   (f"-b{self.batch}" if self.batch is not None else "")
         return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}-s{self.seed}"
 
     def raw(self) -> dict:
@@ -139,6 +167,8 @@ class HonestArm:
         if self.kind == "standard":
             raw["baseline"] = {"lr": self.lr, "global_batch": self.batch}
             return raw
+        if self.batch is not None:
+            raw = with_global_batch(raw, self.batch)
         if self.kind == "single":
             raw = one_learner(raw)
         overrides = {"training": {"lr": self.lr}} if self.lr is not None else {}
@@ -162,8 +192,9 @@ def load_results() -> dict[str, dict]:
 class Plan:
     todo: list[HonestArm]
     b: tuple[int, float] | None = None  # (global batch, learning rate)
-    c: tuple[float, float, str | None] | None = None  # (inner, outer learning rate, outer optimizer)
-    islands: tuple[float, float, str | None] | None = None
+    # (inner, outer learning rate, outer optimizer, global batch: None for the recipe's)
+    c: tuple[float, float, str | None, int | None] | None = None
+    islands: tuple[float, float, str | None, int | None] | None = None
     stable: dict[str, bool] = field(default_factory=dict)  # kind: whether QK-LayerNorm and z-loss helped it
 
     def swept(self, kind: str, seed: int) -> HonestArm | None:
@@ -173,7 +204,7 @@ class Plan:
         if kind == "standard":
             return self.b and HonestArm(kind, seed, lr=self.b[1], batch=self.b[0])
         rates = self.c if kind == "single" else self.islands
-        return rates and HonestArm(kind, seed, lr=rates[0], outer_lr=rates[1], outer_optimizer=rates[2])
+        return rates and HonestArm(kind, seed, lr=rates[0], outer_lr=rates[1], outer_optimizer=rates[2], batch=rates[3])
 
     def chosen(self, kind: str, seed: int) -> HonestArm | None:
         """The arm of `kind` at its chosen settings on `seed`, stability included; None until chosen."""
@@ -189,11 +220,12 @@ def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float
                                         FIRST_BATCH, FIRST_LEARNING_RATES, BATCH_LIMITS)
 
 
-def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], tuple[float, float, str | None] | None]:
+def learner_sweep(results: dict[str, dict], kind: str
+                  ) -> tuple[list[HonestArm], tuple[float, float, str | None, int | None] | None]:
     """A learners' arm: its outer optimizer chosen first (the recipe's or one of OUTER_OPTIMIZERS, each at
     its own rate, at the recipe's inner rate), then its outer learning rate swept at the recipe's inner
     rate, then its inner rate at the best of those (single: inner first, then outer, as standard
-    training's rate is swept first)."""
+    training's rate is swept first), then its global batch (`with_global_batch`) at the chosen rates."""
     inner0, recipe_outer = recipe_rates()
     inner_grid = tuple(quality.nice(inner0 * k) for k in INNER_FACTORS)
     candidates = {None: recipe_outer, **{name: o["lr"] for name, o in OUTER_OPTIMIZERS.items()}}
@@ -204,8 +236,11 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
     optimizer = min(arms, key=lambda name: quality.validation_score(results[arms[name].name]))
     outer0, outer_grid = candidates[optimizer], tuple(quality.nice(candidates[optimizer] * k) for k in OUTER_FACTORS)
 
-    def arm(lr: float, outer_lr: float) -> HonestArm:
-        return HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer_lr, outer_optimizer=optimizer)
+    batch0 = global_batch(yaml.safe_load(CONFIGS["islands"].read_text()))
+
+    def arm(lr: float, outer_lr: float, batch: int = batch0) -> HonestArm:
+        return HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer_lr, outer_optimizer=optimizer,
+                         batch=None if batch == batch0 else batch)
 
     if kind == "single":
         todo, inner = quality.interior_sweep(results, lambda lr: arm(lr, outer0), inner_grid)
@@ -217,7 +252,11 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
         if outer is None:
             return todo, None
         todo, inner = quality.interior_sweep(results, lambda lr: arm(lr, outer), inner_grid)
-    return (todo, None) if todo else ([], (inner, outer, optimizer))
+    if inner is None or outer is None:
+        return todo, None
+    todo, batch = quality.interior_sweep(results, lambda b: arm(inner, outer, int(b)),
+                                         tuple(int(batch0 * k) for k in BATCH_FACTORS), bounds=ISLAND_BATCH_LIMITS)
+    return (todo, None) if batch is None else ([], (inner, outer, optimizer, None if batch == batch0 else int(batch)))
 
 
 def plan(results: dict[str, dict]) -> Plan:

@@ -156,10 +156,12 @@ def sweep(results: dict[str, dict], batch: int, start: tuple[float, ...]) -> tup
 
 
 def interior_sweep(results: dict[str, dict], arm_at, start: tuple[float, ...], step: float = 2.0,
-                   limit: int = MAX_SWEEP_POINTS) -> tuple[list, float | None]:
+                   limit: int = MAX_SWEEP_POINTS, bounds: tuple[float, float] = (0.0, math.inf)
+                   ) -> tuple[list, float | None]:
     """A one-setting sweep ranked on the validation split: `arm_at(value)` is the arm at a value of the
     setting. Returns the arms still to run, and the best value once the best finished one is interior
-    (the grid grows by a factor `step` past whichever edge wins, up to `limit` points)."""
+    (the grid grows by a factor `step` past whichever edge wins, up to `limit` points, never past
+    `bounds`: a winning edge there is the answer)."""
     grid = sorted(start)
     while True:
         arms = {value: arm_at(value) for value in grid}
@@ -167,7 +169,8 @@ def interior_sweep(results: dict[str, dict], arm_at, start: tuple[float, ...], s
         if todo:
             return todo, None
         best = min(grid, key=lambda value: validation_score(results[arms[value].name]))
-        if len(grid) >= limit or grid[0] < best < grid[-1]:
+        if len(grid) >= limit or grid[0] < best < grid[-1] or \
+                not bounds[0] <= (best / step if best == grid[0] else best * step) <= bounds[1]:
             return [], best
         grid = [grid[0] / step, *grid] if best == grid[0] else [*grid, grid[-1] * step]
 

@@ -23,15 +23,21 @@ def test_every_arm_trains_the_same_tokens_about_twenty_per_active_parameter():
     arms = [HonestArm("standard", 0, lr=5e-3, batch=b) for b in (6, 12, 24, 48, 96)]
     arms += [HonestArm("single", 0, lr=3e-3, outer_lr=1.0), HonestArm("islands", 1, lr=6e-3, outer_lr=0.7, stable=True),
              HonestArm("islands", 0, lr=3e-3, outer_lr=0.7, outer_optimizer="nesterov"), HonestArm("butterfly_today", 2)]
+    arms += [HonestArm("islands", 0, batch=b) for b in (12, 24, 96)] + [HonestArm("single", 0, batch=24)]
     assert len({rows(arm) for arm in arms}) == 1
-    spec = arms[-1].spec()
+    spec = arms[8].spec()
     active = build_model(spec).parameter_counts()["active"]
     tokens = rows(arms[0]) * spec.islands[0].seq_len
     assert TOKENS_PER_ACTIVE_PARAMETER <= tokens / active < TOKENS_PER_ACTIVE_PARAMETER * 1.01
-    assert arms[-3].spec().sync.mode == "hierarchical" and spec.sync.mode == "butterfly"
-    assert arms[-3].spec().model.qk_norm and not spec.model.qk_norm
-    outer = arms[-2].spec().sync.outer
-    assert (outer.name, outer.lr, outer.momentum) == ("nesterov", 0.7, 0.9) and arms[-3].spec().sync.outer.name == "shampoo"
+    spec = arms[8].spec()
+    assert arms[6].spec().sync.mode == "hierarchical" and spec.sync.mode == "butterfly"
+    assert arms[6].spec().model.qk_norm and not spec.model.qk_norm
+    outer = arms[7].spec().sync.outer
+    assert (outer.name, outer.lr, outer.momentum) == ("nesterov", 0.7, 0.9) and arms[6].spec().sync.outer.name == "shampoo"
+    # Half the recipe's global batch: half the rows per inner step, twice the inner steps, the same rounds.
+    half, recipe = arms[10].spec(), arms[6].spec()
+    assert [(i.batch_size * 2, i.inner_steps) for i in half.islands] == [(i.batch_size, i.inner_steps * 2) for i in recipe.islands]
+    assert half.sync.rounds == recipe.sync.rounds and arms[10].name == "islands-b24-s0"
     single = arms[5].spec()
     assert len(single.learners) == 1 and single.sync.transport.compression == "none"
 
@@ -44,10 +50,11 @@ def scored(arm, best_batch: int) -> dict:
     elif arm.kind == "butterfly_today":
         value = 2.6
     else:
-        # The islands do best with plain averaging at outer rate 1.4; one learner with the recipe's at 1.0.
-        best = ("averaging", 1.4) if arm.kind == "islands" else (None, 1.0)
+        # The islands do best with plain averaging at outer rate 1.4 and global batch 24; one learner with
+        # the recipe's at 1.0 and the recipe's batch.
+        best = ("averaging", 1.4, 24) if arm.kind == "islands" else (None, 1.0, None)
         value = 2.2 + (math.log(arm.lr) - math.log(3e-3)) ** 2 + (arm.outer_lr - best[1]) ** 2 \
-            + 0.05 * (arm.outer_optimizer != best[0])
+            + 0.05 * (arm.outer_optimizer != best[0]) + 0.1 * abs(math.log2((arm.batch or 48) / (best[2] or 48)))
     if arm.stable:  # QK-LayerNorm and z-loss help the islands only
         value += -0.01 if arm.kind == "islands" else 0.01
     curve = [{"tokens": t, "bpb": {"code": value + 1 / t ** 0.5, "prose": value + 1 / t ** 0.5}}
@@ -72,7 +79,7 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     batches = sorted({r["global_batch"] for r in results.values() if r["kind"] == "standard"})
     assert chosen.b[0] == best_batch  # the batch grew past the first grid's edge to reach 6
     assert batches[-1] > chosen.b[0] and (batches[0] < chosen.b[0] or chosen.b[0] == BATCH_LIMITS[0])
-    assert chosen.islands[1:] == (1.4, "averaging") and chosen.c[1:] == (1.0, None)
+    assert chosen.islands[1:] == (1.4, "averaging", 24) and chosen.c[1:] == (1.0, None, None)
     assert chosen.stable == {"standard": False, "single": False, "islands": True}
     assert all(r["stable"] == (r["kind"] == "islands") for r in results.values() if r["seed"] != 0)
     assert {r["seed"] for r in results.values() if r["kind"] == "islands"} == set(SEEDS)
@@ -80,6 +87,11 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     entry = table["evaluations"]["code"]
     assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
     assert len(entry["islands"]) == len(SEEDS) and table["tokens_per_active_parameter"] == TOKENS_PER_ACTIVE_PARAMETER
+
+
+def test_an_islands_batch_that_does_not_divide_into_whole_rows_and_steps_is_refused_by_name():
+    with pytest.raises(ValueError, match="global batch 36: island east would take 3 rows and 5.33333 inner steps"):
+        HonestArm("islands", 0, batch=36).spec()
 
 
 def test_tokens_to_reach_interpolates_in_log_tokens_and_extrapolates_past_the_last_point():

@@ -3,7 +3,7 @@ best (no training: finished arms are stood in for by their validation scores).""
 
 import pytest
 
-from bench.quality import FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, SEEDS, Arm, plan
+from bench.quality import FAMILIES, FIRST_LEARNING_RATES, ISLANDS_GLOBAL_BATCH, SEEDS, Arm, interior_sweep, plan
 from bench.results_page import write_results_page
 from infra.spec import load_spec
 from training.model.registry import build_model
@@ -104,3 +104,17 @@ def test_the_quality_config_is_the_benchmark_s_butterfly_arm():
     arm = Arm("islands", 0).spec()
     assert config.data == arm.data and config.islands == arm.islands and config.model == arm.model
     assert config.sync == arm.sync
+
+
+@pytest.mark.parametrize("bounds, ends", [((12, 96), 12), ((0, float("inf")), 6)])
+def test_a_sweep_grows_past_a_winning_edge_only_within_its_bounds(bounds, ends):
+    """Smaller is always better here: the sweep halves until its bound, where the edge is the answer."""
+    results, arm_at = {}, lambda value: type("Arm", (), {"name": f"at-{value:g}"})
+    while True:
+        todo, best = interior_sweep(results, arm_at, (24, 48, 96), bounds=bounds, limit=5)
+        if not todo:
+            break
+        for arm in todo:
+            value = float(arm.name[3:])
+            results[arm.name] = {"validation_bpb": {"e": value}}
+    assert best == ends and min(float(name[3:]) for name in results) == ends
