@@ -35,6 +35,16 @@ _GRPC_OFFSET = 10000
 # Sent SIGTERM, weed can take ~30 s to flush after writes; tests should not wait.
 _STOP_GRACE_S = 3.0
 _LOG_TAIL_BYTES = 4000
+# Starts on fresh ports after one whose port was taken between our probe and weed's bind.
+_START_ATTEMPTS = 3
+
+
+class _PortTaken(RuntimeError):
+    """weed could not bind a port it was given."""
+
+
+# What weed logs when a port it was given is taken: found so at its start, or when it binds.
+_PORT_TAKEN = ("Port allocation failed", "address already in use")
 
 
 @dataclass(frozen=True)
@@ -77,8 +87,8 @@ def _free_ports(count: int, host: str) -> list[int]:
     """Pick HTTP ports whose +10000 gRPC partner is also free.
 
     All probe sockets stay bound until the end so the picks are distinct; another
-    process could still grab a port before weed binds it, which is rare enough
-    to accept for tests.
+    socket could still take a port before weed binds it: `seaweed_server` then
+    starts again on new ones.
     """
     held: list[socket.socket] = []
     ports: list[int] = []
@@ -143,9 +153,10 @@ def _write_identities(path: pathlib.Path, server: S3Server) -> None:
     path.chmod(0o600)
 
 
-def _log_tail(log_path: pathlib.Path) -> str:
+def _log_tail(log_path: pathlib.Path, since: int = 0) -> str:
+    """The log's last bytes, none of them before offset *since*."""
     with log_path.open("rb") as log:
-        log.seek(max(0, log_path.stat().st_size - _LOG_TAIL_BYTES))
+        log.seek(max(since, log_path.stat().st_size - _LOG_TAIL_BYTES))
         return log.read().decode(errors="replace")
 
 
@@ -154,28 +165,41 @@ def _wait_until_ready(
     fs: s3fs.S3FileSystem,
     log_path: pathlib.Path,
     timeout: float,
+    log_since: int = 0,
 ) -> None:
     """Poll with a real authenticated request: an open port alone is not enough,
     as the gateway may still be loading its identities."""
     deadline = time.monotonic() + timeout
     while True:
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"weed exited with code {proc.returncode} during startup; log tail:\n"
-                + _log_tail(log_path)
-            )
         try:
             # call_s3 rather than ls(""): s3fs turns a refused ListBuckets into [].
             fs.call_s3("list_buckets")
             return
         except Exception as exc:  # any failure just means "not ready yet"
             last_error = exc
+        # Asked after the request: one to a taken port can hang in s3fs's retries past the deadline.
+        tail = _log_tail(log_path, log_since)
+        if any(sign in tail for sign in _PORT_TAKEN):
+            raise _PortTaken("weed could not have a port it was given; log tail:\n" + tail)
+        if proc.poll() is not None:
+            raise RuntimeError(f"weed exited with code {proc.returncode} during startup; log tail:\n" + tail)
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"SeaweedFS S3 not ready after {timeout:.0f}s "
-                f"(last error: {last_error!r}); log tail:\n" + _log_tail(log_path)
+                f"(last error: {last_error!r}); log tail:\n" + tail
             )
         time.sleep(0.2)
+
+
+def _clear_state(data_dir: pathlib.Path, keep: Sequence[pathlib.Path]) -> None:
+    """Remove what a failed start left in *data_dir*, but for *keep*."""
+    for entry in data_dir.iterdir():
+        if entry in keep:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
 
 
 def _stop(proc: subprocess.Popen[bytes], ports: Sequence[int]) -> None:
@@ -217,35 +241,30 @@ def seaweed_server(
     """
     data_dir = pathlib.Path(data_dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    # In another namespace its address is not ours to probe; its ports there are all free.
-    ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS), _HOST if wrapper else host)))
-    server = S3Server(
-        endpoint_url=f"http://{host}:{ports['s3']}",
-        access_key=secrets.token_hex(10),
-        secret_key=secrets.token_hex(20),
-        **({"read_access_key": secrets.token_hex(10), "read_secret_key": secrets.token_hex(20)} if reader else {}),
-    )
-    s3_config = data_dir / "s3-identities.json" if reader else None
-    if s3_config is not None:
-        _write_identities(s3_config, server)
-    # weed mini turns these two variables into its admin S3 identity.
-    env = {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": server.access_key,
-        "AWS_SECRET_ACCESS_KEY": server.secret_key,
-    }
+    access_key, secret_key = secrets.token_hex(10), secrets.token_hex(20)
+    read_keys = {"read_access_key": secrets.token_hex(10), "read_secret_key": secrets.token_hex(20)} if reader else {}
     log_path = data_dir / "weed.log"
-    with log_path.open("ab") as log:
-        proc = subprocess.Popen(
-            [*wrapper, *_weed_args(_weed_binary(), data_dir, ports, host, s3_config)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,  # own process group, so we can kill it whole
-        )
-    all_ports = [p + offset for p in ports.values() for offset in (0, _GRPC_OFFSET)]
-    try:
+    for attempt in range(1, _START_ATTEMPTS + 1):
+        # In another namespace its address is not ours to probe; its ports there start free.
+        ports = dict(zip(_COMPONENTS, _free_ports(len(_COMPONENTS), _HOST if wrapper else host)))
+        server = S3Server(endpoint_url=f"http://{host}:{ports['s3']}", access_key=access_key,
+                          secret_key=secret_key, **read_keys)
+        s3_config = data_dir / "s3-identities.json" if reader else None
+        if s3_config is not None:
+            _write_identities(s3_config, server)
+        # weed mini turns these two variables into its admin S3 identity.
+        env = {**os.environ, "AWS_ACCESS_KEY_ID": server.access_key, "AWS_SECRET_ACCESS_KEY": server.secret_key}
+        with log_path.open("ab") as log:
+            log_since = log.tell()
+            proc = subprocess.Popen(
+                [*wrapper, *_weed_args(_weed_binary(), data_dir, ports, host, s3_config)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,  # own process group, so we can kill it whole
+            )
+        all_ports = [p + offset for p in ports.values() for offset in (0, _GRPC_OFFSET)]
         fs = s3fs.S3FileSystem(
             key=server.access_key,
             secret=server.secret_key,
@@ -257,7 +276,20 @@ def seaweed_server(
                 "retries": {"max_attempts": 1},
             },
         )
-        _wait_until_ready(proc, fs, log_path, startup_timeout)
+        try:
+            _wait_until_ready(proc, fs, log_path, startup_timeout, log_since)
+            break
+        except _PortTaken:
+            # Between our probe and weed's bind, another socket (often one of weed's own outgoing
+            # connections, from the same ephemeral range) took a port: start afresh on new ones.
+            _stop(proc, all_ports)
+            if attempt == _START_ATTEMPTS:
+                raise
+            _clear_state(data_dir, keep=(log_path,))
+        except BaseException:
+            _stop(proc, all_ports)
+            raise
+    try:
         for bucket in buckets:
             fs.makedirs(bucket, exist_ok=True)
         yield replace(server, pid=proc.pid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import socket
 
 import pytest
 import s3fs
@@ -44,3 +45,27 @@ def test_two_servers_at_once(tmp_path: pathlib.Path) -> None:
         assert _fs(a).cat("left/x") == b"from a"
         assert _fs(b).cat("right/x") == b"from b"
         assert not _fs(b).exists("left/x")
+
+
+def test_a_port_taken_before_weed_binds_it_starts_the_server_again_on_new_ones(tmp_path, monkeypatch):
+    """Another socket takes the S3 port between the probe and weed's bind, as an outgoing connection
+    from the same ephemeral range can: the first start fails on it, the second gets new ports."""
+    import infra.seaweed as seaweed
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    probe, picks = seaweed._free_ports, []
+
+    def free_ports(count, host):
+        ports = probe(count, host)
+        if not picks:
+            ports[seaweed._COMPONENTS.index("s3")] = taken.getsockname()[1]
+        picks.append(ports)
+        return ports
+
+    monkeypatch.setattr(seaweed, "_free_ports", free_ports)
+    with taken, seaweed_server(tmp_path / "s3") as server:
+        _fs(server).pipe("archipelago/after-retry.txt", b"ok")
+        assert _fs(server).cat("archipelago/after-retry.txt") == b"ok"
+    assert len(picks) == 2 and server.endpoint_url.endswith(f":{picks[1][3]}")
+    assert "Port allocation failed" in (tmp_path / "s3" / "weed.log").read_text()
