@@ -281,9 +281,9 @@ class TrainingSpec(SpecModel):
 class SyncSpec(SpecModel):
     mode: Literal["butterfly", "allreduce", "hierarchical"] = Field(
         "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean; "
-                                 "hierarchical: an exact mean inside each island every round and a crossing "
-                                 "between islands (every inter_island_every-th exchange of a fragment) that gives "
-                                 "every learner one anchor and outer step.")
+                                 "hierarchical: an exact mean inside each island and the island's outer step "
+                                 "every round, and a crossing between islands (every inter_island_every-th "
+                                 "exchange of a fragment) that gives every learner the islands' mean anchor.")
     rounds: int = Field(ge=1, le=MAX_STEPS, description="Outer rounds; every learner synchronises once per round.")
     outer: OuterOptimizerSpec = Field(default_factory=OuterOptimizerSpec, description="Outer optimizer.")
     inter_island_every: int = Field(
