@@ -102,10 +102,11 @@ class AllReduce(SyncMode):
 
 
 class Hierarchical(SyncMode):
-    """An exact mean inside each island and an outer step along it every round; in every
-    `inter_island_every`-th exchange of a fragment a crossing first mixes the islands' anchors and means
-    (training/exchange/mixing.py). A round's peers are the learner's own island; the crossing's sources
-    are every other learner, each with its slice of its island's fragment."""
+    """An exact mean inside each island and the island's outer step along it every round; in every
+    `inter_island_every`-th exchange of a fragment, right after that step, a crossing that gives every
+    learner the islands' mean anchor (training/exchange/mixing.py). A round's peers are the learner's
+    own island; the crossing's sources are every other learner, each with its slice of its island's
+    fragment."""
 
     fields = ("delta",)
 
