@@ -114,6 +114,12 @@ def global_batch(raw: dict) -> int:
     return sum(island["learners"] * island["batch_size"] for island in raw["islands"])
 
 
+@functools.cache
+def recipe_batch() -> int:
+    """The islands recipe's global batch: where the learners' batch sweeps start."""
+    return global_batch(yaml.safe_load(CONFIGS["islands"].read_text()))
+
+
 def with_global_batch(raw: dict, batch: int) -> dict:
     """`raw` with every island's rows per inner step scaled to a global batch of `batch`, and its inner
     steps per round scaled inversely (tokens per round, rounds and outer steps unchanged)."""
@@ -236,7 +242,7 @@ def learner_sweep(results: dict[str, dict], kind: str
     optimizer = min(arms, key=lambda name: quality.validation_score(results[arms[name].name]))
     outer0, outer_grid = candidates[optimizer], tuple(quality.nice(candidates[optimizer] * k) for k in OUTER_FACTORS)
 
-    batch0 = global_batch(yaml.safe_load(CONFIGS["islands"].read_text()))
+    batch0 = recipe_batch()
 
     def arm(lr: float, outer_lr: float, batch: int = batch0) -> HonestArm:
         return HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer_lr, outer_optimizer=optimizer,

@@ -178,6 +178,14 @@ def message_codec(spec: RunSpec, crossing: bool = False) -> Codec:
     return Codec(settings.compression, settings.scale_chunk, settings.topk)
 
 
+def residual_fields(spec: RunSpec) -> tuple[str, ...]:
+    """The error-feedback residuals a learner keeps, where its codec is lossy: a round message's two fields
+    (not a hierarchical round's, which goes exact), and in hierarchical mode a crossing's own: it carries
+    the island's values, not the learner's."""
+    rounds = () if message_codec(spec).lossless else ("anchor", "delta")
+    return rounds + (tuple(CROSSING_RESIDUALS + f for f in CROSSING_FIELDS) if spec.sync.mode == "hierarchical" else ())
+
+
 def expected_message(spec: RunSpec, learner: int, round_index: int, numel: int,
                      crossing: bool = False) -> ExpectedMessage:
     """What learner `learner`'s message of a round is by the run's plan, `numel` elements a field. A
@@ -291,11 +299,7 @@ class Exchanger:
         # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
         self.initial = initial
         self.hierarchical = isinstance(self.mode, Hierarchical)
-        # A round's message keeps residuals only where it is compressed (not a hierarchical round's); a
-        # crossing's has its own: it carries the island's values, not the learner's.
-        residuals = (() if self.round_codec.lossless else ("anchor", "delta")) + \
-            (tuple(CROSSING_RESIDUALS + f for f in CROSSING_FIELDS) if self.hierarchical else ())
-        self.feedback = ErrorFeedback(self.codec, initial.numel(), residuals, settings.error_feedback)
+        self.feedback = ErrorFeedback(self.codec, initial.numel(), residual_fields(spec), settings.error_feedback)
         self.links = ["intra" if peer.island.name == slot.island.name else "inter" for peer in spec.learners]
         self.slices = crossing_slices(spec, self.layout.sizes) if self.hierarchical else []
 

@@ -38,6 +38,7 @@ import torch
 
 from infra.model_spec import BUILT_IN
 from infra.spec import IslandSpec, RunSpec, SpecError
+from training.exchange.exchanger import residual_fields
 
 GB = 1e9
 FP32 = 4
@@ -266,11 +267,8 @@ def host_bytes(spec: RunSpec, sizes: ModelSizes) -> dict[str, int]:
     """The exchange's state on the host of a learner's rank 0, by part (see the module's docstring)."""
     vector = FP32 * sizes.parameters
     transport = spec.sync.transport
-    # A message's fields' residuals: a round message's two, or in hierarchical mode, whose rounds' messages
-    # go exact, a crossing's anchor.
-    fields = 1 if spec.sync.mode == "hierarchical" else 2
     lossy = transport.error_feedback and (transport.compression != "none" or transport.topk < 1)
-    feedback = fields * vector if lossy else 0
+    feedback = len(residual_fields(spec)) * vector if lossy else 0
     anchors_checkpointed = transport.fragments > 1 or transport.tau > 0
     return {"initial weights": vector, "anchors": vector, "outer parameters": vector,
             "outer state": FP32 * sizes.outer_state, "outer state snapshot": FP32 * sizes.outer_state,
