@@ -267,8 +267,8 @@ def learner_sweep(results: dict[str, dict], kind: str
 
 def plan(results: dict[str, dict]) -> Plan:
     """The islands and today's butterfly at the recipe's settings first (the first reading of the
-    headline), then the islands', (b)'s and (c)'s sweeps, then each tuned kind with QK-LayerNorm and
-    z-loss, then seeds 1, 2."""
+    headline), then the islands' and (b)'s sweeps, each with QK-LayerNorm and z-loss, and their seeds 1, 2
+    (the headline); (c)'s sweep, stability and seeds last, since (c) only sets the token ratio."""
     out = Plan([])
     inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
@@ -276,16 +276,22 @@ def plan(results: dict[str, dict]) -> Plan:
     out.todo += todo
     todo, out.b = b_sweep(results)
     out.todo += todo
-    todo, out.c = learner_sweep(results, "single")
-    out.todo += todo
-    for kind in ("standard", "single", "islands"):
-        if (plain := out.swept(kind, SWEEP_SEED)) is not None:
-            stable = replace(plain, stable=True)
-            if stable.name in results:
-                out.stable[kind] = quality.validation_score(results[stable.name]) < quality.validation_score(results[plain.name])
-            else:
-                out.todo.append(stable)
-    out.todo += [arm for seed in SEEDS for kind in KINDS.values() if (arm := out.chosen(kind, seed))]
+    single_todo, out.c = learner_sweep(results, "single")
+
+    def tuned(kinds: tuple[str, ...]) -> list[HonestArm]:
+        """Each swept kind of `kinds` with QK-LayerNorm and z-loss, then each at its chosen settings on
+        every seed."""
+        todo = []
+        for kind in kinds:
+            if kind != "butterfly_today" and (plain := out.swept(kind, SWEEP_SEED)) is not None:
+                stable = replace(plain, stable=True)
+                if stable.name in results:
+                    out.stable[kind] = quality.validation_score(results[stable.name]) < quality.validation_score(results[plain.name])
+                else:
+                    todo.append(stable)
+        return todo + [arm for seed in SEEDS for kind in kinds if (arm := out.chosen(kind, seed))]
+
+    out.todo += tuned(("standard", "islands", "butterfly_today")) + single_todo + tuned(("single",))
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
 

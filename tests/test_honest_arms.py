@@ -83,6 +83,8 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert chosen.stable == {"standard": False, "single": False, "islands": True}
     assert all(r["stable"] == (r["kind"] == "islands") for r in results.values() if r["seed"] != 0)
     assert {r["seed"] for r in results.values() if r["kind"] == "islands"} == set(SEEDS)
+    kinds = [r["kind"] for r in results.values()]  # in the order they ran: the headline's seeds before (c)
+    assert max(i for i, kind in enumerate(kinds) if kind != "single") < kinds.index("single")
     table = summary(results)
     entry = table["evaluations"]["code"]
     assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
