@@ -15,6 +15,9 @@ same held-out documents, with the bits kept per document for a paired bootstrap.
   rate, then its global batch (rows per inner step, inner steps per round scaled inversely);
 - `butterfly_today`: configs/brief.yaml as it is, untuned.
 
+Once the headline has its seeds, the islands' chosen arm runs again (seed 0) with one part of the
+method taken away at a time (`DIAGNOSTICS`): how much each costs on validation is what binds.
+
 Every sweep runs on seed 0 and ranks by the validation split only (the mean over its evaluations);
 the held-out sets never choose anything. The chosen settings then run on seeds 1 and 2. Standard
 training's held-out curve (its snapshots, scored on every held-out byte) says how many tokens it needs
@@ -80,6 +83,13 @@ CURVE_POINTS = 10
 # Each tuned kind is tried once more at its chosen settings with these (seed 0, validation split), and
 # keeps them where they help: the published work trained with both.
 STABILITY = {"qk_norm": True, "z_loss_weight": 1e-4}
+# One change each to the islands' chosen arm: what binds is what its removal gains.
+DIAGNOSTICS = {
+    "cross-every": ("islands cross at every exchange, not every 15th", {"sync": {"inter_island_every": 1}}),
+    "whole": ("the whole model every round, applied at once (1 fragment, tau 0; crossings every 30 rounds still)",
+              {"sync": {"inter_island_every": 30, "transport": {"fragments": 1, "tau": 0}}}),
+    "fp32": ("crossings in fp32, not int4", {"sync": {"transport": {"compression": "none"}}}),
+}
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
 
@@ -141,7 +151,7 @@ class HonestArm:
     outer learning rate (None: the recipe's); `outer_optimizer`: a key of OUTER_OPTIMIZERS (None: the
     recipe's); `stable`: the model with QK-LayerNorm and z-loss
     (`STABILITY`); `batch`: standard training's global batch, or the islands' rows per inner step over all
-    learners (None: the recipe's)."""
+    learners (None: the recipe's); `diagnostic`: a key of DIAGNOSTICS."""
 
     kind: str
     seed: int
@@ -150,6 +160,7 @@ class HonestArm:
     outer_lr: float | None = None
     outer_optimizer: str | None = None
     stable: bool = False
+    diagnostic: str | None = None
 
     @property
     def family(self) -> str:
@@ -164,7 +175,8 @@ class HonestArm:
                    (f"-{self.outer_optimizer}" if self.outer_optimizer else "") + \
                    (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "") + \
                    (f"-b{self.batch}" if self.batch is not None else "")
-        return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}-s{self.seed}"
+        diagnostic = f"-{self.diagnostic}" if self.diagnostic else ""
+        return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}{diagnostic}-s{self.seed}"
 
     def raw(self) -> dict:
         raw = recipe(CONFIGS["butterfly_today" if self.kind == "butterfly_today" else "islands"], self.seed)
@@ -182,7 +194,8 @@ class HonestArm:
                  **({"lr": self.outer_lr} if self.outer_lr is not None else {})}
         if outer:
             overrides["sync"] = {"outer": outer}
-        return merged(raw, overrides)
+        raw = merged(raw, overrides)
+        return merged(raw, DIAGNOSTICS[self.diagnostic][1]) if self.diagnostic else raw
 
     def spec(self) -> RunSpec:
         return parse_spec(self.raw())
@@ -268,7 +281,8 @@ def learner_sweep(results: dict[str, dict], kind: str
 def plan(results: dict[str, dict]) -> Plan:
     """The islands and today's butterfly at the recipe's settings first (the first reading of the
     headline), then the islands' and (b)'s sweeps, each with QK-LayerNorm and z-loss, and their seeds 1, 2
-    (the headline); (c)'s sweep, stability and seeds last, since (c) only sets the token ratio."""
+    (the headline), then the islands' diagnostics; (c)'s sweep, stability and seeds last, since (c) only
+    sets the token ratio."""
     out = Plan([])
     inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
@@ -291,7 +305,10 @@ def plan(results: dict[str, dict]) -> Plan:
                     todo.append(stable)
         return todo + [arm for seed in SEEDS for kind in kinds if (arm := out.chosen(kind, seed))]
 
-    out.todo += tuned(("standard", "islands", "butterfly_today")) + single_todo + tuned(("single",))
+    out.todo += tuned(("standard", "islands", "butterfly_today"))
+    if (islands := out.chosen("islands", SWEEP_SEED)) is not None:
+        out.todo += [replace(islands, diagnostic=name) for name in DIAGNOSTICS]
+    out.todo += single_todo + tuned(("single",))
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
 
@@ -323,6 +340,20 @@ def tokens_to_reach(curve: list[dict], evaluation: str, bpb: float) -> tuple[flo
     return float(np.exp((bpb - intercept) / slope)), True
 
 
+def diagnostics(chosen: Plan, results: dict[str, dict]) -> dict:
+    """Each diagnostic that has run: its validation score and its change against the islands' chosen arm."""
+    islands = chosen.chosen("islands", SWEEP_SEED)
+    if islands is None or islands.name not in results:
+        return {}
+    reference = quality.validation_score(results[islands.name])
+    out = {}
+    for name, (what, _) in DIAGNOSTICS.items():
+        if (result := results.get(replace(islands, diagnostic=name).name)) is not None:
+            score = quality.validation_score(result)
+            out[name] = {"change": what, "validation": score, "relative_to_islands": score / reference - 1}
+    return out
+
+
 def summary(results: dict[str, dict]) -> dict:
     chosen = plan(results)
     runs = {name: [results.get(arm.name) if (arm := chosen.chosen(kind, seed)) else None for seed in SEEDS]
@@ -337,7 +368,7 @@ def summary(results: dict[str, dict]) -> dict:
                         "islands": chosen.islands and {"inner_lr": chosen.islands[0], "outer_lr": chosen.islands[1],
                                                        "outer_optimizer": chosen.islands[2] or "recipe"},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
-           "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
+           "diagnostics": diagnostics(chosen, results), "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
     for evaluation in (any_result["bpb"] if any_result else {}):
         entry = {k: [r["bpb"][evaluation] for r in v] for k, v in complete.items()}
         if "b" in complete and "islands" in complete:
@@ -387,6 +418,13 @@ def page(table: dict, results: dict[str, dict]) -> str:
             ratio = (f"{statistics.fmean(entry['token_ratio_to_c']):.2f}x"
                      + (" (extrapolated)" if entry["token_ratio_extrapolated"] else "")) if "token_ratio_to_c" in entry else "-"
             lines.append(f"| {evaluation} | " + " | ".join(cells) + f" | {relative} | {interval} | {ratio} |")
+        lines.append("")
+    if table["diagnostics"]:
+        lines += ["## What binds (seed 0, validation split)", "",
+                  "The islands' chosen arm with one change each; a negative change is a gain.", "",
+                  "| change | validation bpb | against the islands |", "|---|---|---|"]
+        lines += [f"| {d['change']} | {d['validation']:.4f} | {d['relative_to_islands']:+.2%} |"
+                  for d in table["diagnostics"].values()]
         lines.append("")
     lines += [f"Goal: the islands at least {-GOAL:.0%} below (b) on every evaluation (mean of 3 seeds, interval below "
               f"zero) and within {TOKEN_RATIO_GOAL}x of (c) in standard training's tokens.", "",

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.honest import (BATCH_LIMITS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, plan, summary,
+from bench.honest import (BATCH_LIMITS, DIAGNOSTICS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, plan, summary,
                           tokens_to_reach)
 from training.baseline import BaselinePlan
 from training.model.registry import build_model
@@ -24,6 +24,7 @@ def test_every_arm_trains_the_same_tokens_about_twenty_per_active_parameter():
     arms += [HonestArm("single", 0, lr=3e-3, outer_lr=1.0), HonestArm("islands", 1, lr=6e-3, outer_lr=0.7, stable=True),
              HonestArm("islands", 0, lr=3e-3, outer_lr=0.7, outer_optimizer="nesterov"), HonestArm("butterfly_today", 2)]
     arms += [HonestArm("islands", 0, batch=b) for b in (12, 24, 96)] + [HonestArm("single", 0, batch=24)]
+    arms += [HonestArm("islands", 0, lr=6e-3, outer_lr=1.0, diagnostic=d) for d in DIAGNOSTICS]
     assert len({rows(arm) for arm in arms}) == 1
     spec = arms[8].spec()
     active = build_model(spec).parameter_counts()["active"]
@@ -38,6 +39,10 @@ def test_every_arm_trains_the_same_tokens_about_twenty_per_active_parameter():
     half, recipe = arms[10].spec(), arms[6].spec()
     assert [(i.batch_size * 2, i.inner_steps) for i in half.islands] == [(i.batch_size, i.inner_steps * 2) for i in recipe.islands]
     assert half.sync.rounds == recipe.sync.rounds and arms[10].name == "islands-b24-s0"
+    # Taking the fragments away keeps the crossings as many rounds apart.
+    whole = HonestArm("islands", 0, diagnostic="whole").spec()
+    assert (whole.sync.transport.fragments, whole.sync.transport.tau) == (1, 0)
+    assert whole.sync.inter_island_every * 1 == recipe.sync.inter_island_every * recipe.sync.transport.fragments
     single = arms[5].spec()
     assert len(single.learners) == 1 and single.sync.transport.compression == "none"
 
@@ -85,10 +90,13 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert {r["seed"] for r in results.values() if r["kind"] == "islands"} == set(SEEDS)
     kinds = [r["kind"] for r in results.values()]  # in the order they ran: the headline's seeds before (c)
     assert max(i for i, kind in enumerate(kinds) if kind != "single") < kinds.index("single")
+    diagnosed = [name for name in results if any(name.endswith(f"-{d}-s0") for d in DIAGNOSTICS)]
+    assert len(diagnosed) == len(DIAGNOSTICS) and all(name.startswith("islands-") for name in diagnosed)
     table = summary(results)
     entry = table["evaluations"]["code"]
     assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
     assert len(entry["islands"]) == len(SEEDS) and table["tokens_per_active_parameter"] == TOKENS_PER_ACTIVE_PARAMETER
+    assert set(table["diagnostics"]) == set(DIAGNOSTICS)
 
 
 def test_an_islands_batch_that_does_not_divide_into_whole_rows_and_steps_is_refused_by_name():
