@@ -9,10 +9,12 @@ same held-out documents, with the bits kept per document for a paired bootstrap.
   batch, and the batch swept (halving or doubling past whichever edge wins) until both optima are
   interior;
 - `c`: one learner (M=1) with the islands' rows per round, inner and outer optimizer: its outer
-  optimizer chosen, its inner learning rate swept, then its outer learning rate, then its global batch;
+  optimizer chosen, its inner learning rate swept, then its outer learning rate, its outer momentum,
+  then its global batch;
 - `islands`: configs/brief-hierarchical.yaml (DiLoCo inside each island on exact means, crossings
   between them): its outer optimizer chosen, its outer learning rate swept, then its inner learning
-  rate, then its global batch (rows per inner step, inner steps per round scaled inversely);
+  rate, its outer momentum, then its global batch (rows per inner step, inner steps per round scaled
+  inversely);
 - `butterfly_today`: configs/brief.yaml as it is, untuned.
 
 Once the headline has its seeds, the islands' chosen arm runs again (seed 0) with one part of the
@@ -89,6 +91,8 @@ DIAGNOSTICS = {
     "whole": ("the whole model every round, applied at once (1 fragment, tau 0; crossings every 30 rounds still)",
               {"sync": {"inter_island_every": 30, "transport": {"fragments": 1, "tau": 0}}}),
     "fp32": ("crossings in fp32, not int4", {"sync": {"transport": {"compression": "none"}}}),
+    # Only where the sweep chose Shampoo (the recipe's outer optimizer): the tuned Nesterov control.
+    "nesterov": ("Nesterov's direction, not Shampoo's (same rate and momentum)", {"sync": {"outer": {"name": "nesterov"}}}),
 }
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
@@ -107,6 +111,13 @@ def recipe_rates() -> tuple[float, float]:
     """The islands recipe's (inner, outer) learning rates: where the learners' sweeps start."""
     raw = yaml.safe_load(CONFIGS["islands"].read_text())
     return raw["training"]["lr"], raw["sync"]["outer"]["lr"]
+
+
+def outer_momentum(optimizer: str | None) -> float:
+    """The outer momentum an optimizer of the sweep starts from (None: the recipe's)."""
+    if optimizer is not None:
+        return OUTER_OPTIMIZERS[optimizer]["momentum"]
+    return yaml.safe_load(CONFIGS["islands"].read_text())["sync"]["outer"]["momentum"]
 
 
 def recipe(config: Path, seed: int) -> dict:
@@ -151,7 +162,8 @@ class HonestArm:
     outer learning rate (None: the recipe's); `outer_optimizer`: a key of OUTER_OPTIMIZERS (None: the
     recipe's); `stable`: the model with QK-LayerNorm and z-loss
     (`STABILITY`); `batch`: standard training's global batch, or the islands' rows per inner step over all
-    learners (None: the recipe's); `diagnostic`: a key of DIAGNOSTICS."""
+    learners (None: the recipe's); `outer_momentum`: None for the outer optimizer's own; `diagnostic`: a
+    key of DIAGNOSTICS."""
 
     kind: str
     seed: int
@@ -159,6 +171,7 @@ class HonestArm:
     batch: int | None = None
     outer_lr: float | None = None
     outer_optimizer: str | None = None
+    outer_momentum: float | None = None
     stable: bool = False
     diagnostic: str | None = None
 
@@ -174,6 +187,7 @@ class HonestArm:
         settings = (f"-lr{self.lr:g}" if self.lr is not None else "") + \
                    (f"-{self.outer_optimizer}" if self.outer_optimizer else "") + \
                    (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "") + \
+                   (f"-m{self.outer_momentum:g}" if self.outer_momentum is not None else "") + \
                    (f"-b{self.batch}" if self.batch is not None else "")
         diagnostic = f"-{self.diagnostic}" if self.diagnostic else ""
         return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}{diagnostic}-s{self.seed}"
@@ -191,7 +205,8 @@ class HonestArm:
             raw = one_learner(raw)
         overrides = {"training": {"lr": self.lr}} if self.lr is not None else {}
         outer = {**(OUTER_OPTIMIZERS[self.outer_optimizer] if self.outer_optimizer else {}),
-                 **({"lr": self.outer_lr} if self.outer_lr is not None else {})}
+                 **({"lr": self.outer_lr} if self.outer_lr is not None else {}),
+                 **({"momentum": self.outer_momentum} if self.outer_momentum is not None else {})}
         if outer:
             overrides["sync"] = {"outer": outer}
         raw = merged(raw, overrides)
@@ -211,9 +226,8 @@ def load_results() -> dict[str, dict]:
 class Plan:
     todo: list[HonestArm]
     b: tuple[int, float] | None = None  # (global batch, learning rate)
-    # (inner, outer learning rate, outer optimizer, global batch: None for the recipe's)
-    c: tuple[float, float, str | None, int | None] | None = None
-    islands: tuple[float, float, str | None, int | None] | None = None
+    c: HonestArm | None = None  # the sweep's chosen arm (seed 0, without QK-LayerNorm and z-loss)
+    islands: HonestArm | None = None
     stable: dict[str, bool] = field(default_factory=dict)  # kind: whether QK-LayerNorm and z-loss helped it
 
     def swept(self, kind: str, seed: int) -> HonestArm | None:
@@ -222,8 +236,8 @@ class Plan:
             return HonestArm(kind, seed)
         if kind == "standard":
             return self.b and HonestArm(kind, seed, lr=self.b[1], batch=self.b[0])
-        rates = self.c if kind == "single" else self.islands
-        return rates and HonestArm(kind, seed, lr=rates[0], outer_lr=rates[1], outer_optimizer=rates[2], batch=rates[3])
+        chosen = self.c if kind == "single" else self.islands
+        return chosen and replace(chosen, seed=seed)
 
     def chosen(self, kind: str, seed: int) -> HonestArm | None:
         """The arm of `kind` at its chosen settings on `seed`, stability included; None until chosen."""
@@ -239,12 +253,13 @@ def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float
                                         FIRST_BATCH, FIRST_LEARNING_RATES, BATCH_LIMITS)
 
 
-def learner_sweep(results: dict[str, dict], kind: str
-                  ) -> tuple[list[HonestArm], tuple[float, float, str | None, int | None] | None]:
+def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], HonestArm | None]:
     """A learners' arm: its outer optimizer chosen first (the recipe's or one of OUTER_OPTIMIZERS, each at
     its own rate, at the recipe's inner rate), then its outer learning rate swept at the recipe's inner
     rate, then its inner rate at the best of those (single: inner first, then outer, as standard
-    training's rate is swept first), then its global batch (`with_global_batch`) at the chosen rates."""
+    training's rate is swept first), then its outer momentum (in 1 - momentum, halved or doubled, up to
+    no momentum), then its global batch (`with_global_batch`). Returns the arms still to run, and the
+    chosen arm once every sweep is interior."""
     inner0, recipe_outer = recipe_rates()
     inner_grid = tuple(quality.nice(inner0 * k) for k in INNER_FACTORS)
     candidates = {None: recipe_outer, **{name: o["lr"] for name, o in OUTER_OPTIMIZERS.items()}}
@@ -257,9 +272,12 @@ def learner_sweep(results: dict[str, dict], kind: str
 
     batch0 = recipe_batch()
 
-    def arm(lr: float, outer_lr: float, batch: int = batch0) -> HonestArm:
+    momentum0 = outer_momentum(optimizer)
+
+    def arm(lr: float, outer_lr: float, batch: int = batch0, momentum: float = momentum0) -> HonestArm:
         return HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer_lr, outer_optimizer=optimizer,
-                         batch=None if batch == batch0 else batch)
+                         batch=None if batch == batch0 else batch,
+                         outer_momentum=None if momentum == momentum0 else momentum)
 
     if kind == "single":
         todo, inner = quality.interior_sweep(results, lambda lr: arm(lr, outer0), inner_grid)
@@ -273,9 +291,16 @@ def learner_sweep(results: dict[str, dict], kind: str
         todo, inner = quality.interior_sweep(results, lambda lr: arm(lr, outer), inner_grid)
     if inner is None or outer is None:
         return todo, None
-    todo, batch = quality.interior_sweep(results, lambda b: arm(inner, outer, int(b)),
+    # Swept as 1 - momentum, the horizon momentum averages over: 0.5 steps to 0.25 and 0.75.
+    todo, keep = quality.interior_sweep(results, lambda d: arm(inner, outer, momentum=round(1 - d, 4)),
+                                        tuple(sorted({min(1.0, (1 - momentum0) * k) for k in (0.5, 1, 2)})),
+                                        bounds=(0.01, 1.0))
+    if keep is None:
+        return todo, None
+    momentum = round(1 - keep, 4)
+    todo, batch = quality.interior_sweep(results, lambda b: arm(inner, outer, int(b), momentum),
                                          tuple(int(batch0 * k) for k in BATCH_FACTORS), bounds=ISLAND_BATCH_LIMITS)
-    return (todo, None) if batch is None else ([], (inner, outer, optimizer, None if batch == batch0 else int(batch)))
+    return (todo, None) if batch is None else ([], arm(inner, outer, int(batch), momentum))
 
 
 def plan(results: dict[str, dict]) -> Plan:
@@ -307,7 +332,8 @@ def plan(results: dict[str, dict]) -> Plan:
 
     out.todo += tuned(("standard", "islands", "butterfly_today"))
     if (islands := out.chosen("islands", SWEEP_SEED)) is not None:
-        out.todo += [replace(islands, diagnostic=name) for name in DIAGNOSTICS]
+        out.todo += [replace(islands, diagnostic=name) for name in DIAGNOSTICS
+                     if name != "nesterov" or islands.outer_optimizer is None]
     out.todo += single_todo + tuned(("single",))
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
@@ -363,10 +389,12 @@ def summary(results: dict[str, dict]) -> dict:
     out = {**recorded(list(results.values())), "tokens_per_active_parameter": TOKENS_PER_ACTIVE_PARAMETER,
            "tokens": any_result and any_result["tokens"],
            "settings": {"b": chosen.b and {"global_batch": chosen.b[0], "lr": chosen.b[1]},
-                        "c": chosen.c and {"inner_lr": chosen.c[0], "outer_lr": chosen.c[1],
-                                           "outer_optimizer": chosen.c[2] or "recipe"},
-                        "islands": chosen.islands and {"inner_lr": chosen.islands[0], "outer_lr": chosen.islands[1],
-                                                       "outer_optimizer": chosen.islands[2] or "recipe"},
+                        **{name: arm and {"inner_lr": arm.lr, "outer_lr": arm.outer_lr,
+                                          "outer_optimizer": arm.outer_optimizer or "recipe",
+                                          "outer_momentum": arm.outer_momentum if arm.outer_momentum is not None
+                                          else outer_momentum(arm.outer_optimizer),
+                                          "global_batch": arm.batch or recipe_batch()}
+                           for name, arm in (("c", chosen.c), ("islands", chosen.islands))},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
            "diagnostics": diagnostics(chosen, results), "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
     for evaluation in (any_result["bpb"] if any_result else {}):
@@ -387,6 +415,13 @@ def summary(results: dict[str, dict]) -> dict:
     return out
 
 
+def learner_settings(chosen: dict | None) -> str:
+    if not chosen:
+        return "sweep not finished"
+    return (f"inner learning rate {chosen['inner_lr']:g}, outer {chosen['outer_lr']:g} ({chosen['outer_optimizer']}, "
+            f"momentum {chosen['outer_momentum']:g}), global batch {chosen['global_batch']}")
+
+
 def page(table: dict, results: dict[str, dict]) -> str:
     settings = table["settings"]
     lines = ["# Quality in an honest regime",
@@ -397,12 +432,8 @@ def page(table: dict, results: dict[str, dict]) -> str:
              "",
              "- (b) standard training: " + (f"global batch {settings['b']['global_batch']}, learning rate "
                                            f"{settings['b']['lr']:g}" if settings["b"] else "sweep not finished"),
-             "- (c) one learner: " + (f"inner learning rate {settings['c']['inner_lr']:g}, outer "
-                                     f"{settings['c']['outer_lr']:g} ({settings['c']['outer_optimizer']})"
-                                     if settings["c"] else "sweep not finished"),
-             "- islands (configs/brief-hierarchical.yaml, 8 learners): " +
-             (f"inner learning rate {settings['islands']['inner_lr']:g}, outer {settings['islands']['outer_lr']:g} "
-              f"({settings['islands']['outer_optimizer']})" if settings["islands"] else "sweep not finished"),
+             "- (c) one learner: " + learner_settings(settings["c"]),
+             "- islands (configs/brief-hierarchical.yaml, 8 learners): " + learner_settings(settings["islands"]),
              "- butterfly today: configs/brief.yaml, untuned",
              "- QK-LayerNorm and z-loss (1e-4), kept where they helped on validation: " +
              (", ".join(f"{LABELS[k]} {'yes' if v else 'no'}" for k, v in settings["qk_norm_and_z_loss"].items())
