@@ -7,9 +7,10 @@ data for 20 tokens per parameter. At each size:
   optima are interior (`quality.batch_and_rate_sweep`);
 - DiLoCo runs with M learners on M one-learner islands (exact means every round: `allreduce` mode),
   H = 30 inner steps, an outer Nesterov step (momentum 0.9), at standard training's chosen global
-  batch (B / M rows per learner) and learning rate. The outer learning rate is swept per M at the
-  smallest size and kept at the larger ones (Charles et al. find the best outer rate does not move
-  with size). The learners train as replicas in one process (`training.replicas`: their rows, inner
+  batch (B / M rows per learner). Per M at the smallest size, the outer learning rate is swept at
+  standard training's chosen rate, then the inner rate as a multiple of that; the larger sizes keep
+  both (the outer rate, and the inner rate's multiple of their own standard rate: Charles et al. find
+  the best outer rate does not move with size). The learners train as replicas in one process (`training.replicas`: their rows, inner
   steps and the real exchanger, without processes or stores); the plan's first arms are one arm
   (`PATH_CHECK`) on both paths, replicas and learner processes, and the page shows how far apart
   they end.
@@ -66,6 +67,7 @@ FIRST_LEARNING_RATES = (2.5e-3, 5e-3, 1e-2)
 BATCH_LIMITS = (8, 128)  # at least one row per learner at M = 8
 OUTER_MOMENTUM = 0.9
 OUTER_LEARNING_RATES = (0.5, 0.7, 1.0)
+INNER_FACTORS = (0.5, 1.0, 2.0)  # the learners' inner rate over standard training's chosen one
 SEED = quality.SWEEP_SEED
 PATHS = ("replicas", "learners")
 # Charles et al. ("Scaling Laws for DiLoCo", arXiv 2503.09799; C4, equal tokens, both sides tuned, H = 30):
@@ -158,7 +160,7 @@ PATH_CHECK = {path: SizeArm("islands", "0.2M", FIRST_LEARNING_RATES[0], FIRST_BA
 class Plan:
     todo: list[SizeArm]
     standard: dict[str, tuple[int, float]]  # size: (global batch, learning rate), once chosen
-    outer: dict[int, float]  # M: outer learning rate, once chosen at the smallest size
+    outer: dict[int, tuple[float, float]]  # M: (outer learning rate, inner rate's factor), once chosen at the smallest size
 
     def chosen(self, size: str, learners: int | None) -> SizeArm | None:
         """Standard training (learners None) or M learners at a size's chosen settings, once chosen."""
@@ -167,12 +169,15 @@ class Plan:
         batch, lr = self.standard[size]
         if learners is None:
             return SizeArm("standard", size, lr, batch)
-        return SizeArm("islands", size, lr, batch, learners, self.outer[learners]) if learners in self.outer else None
+        if learners not in self.outer:
+            return None
+        outer, factor = self.outer[learners]
+        return SizeArm("islands", size, quality.nice(lr * factor), batch, learners, outer)
 
 
 def plan(results: dict[str, dict]) -> Plan:
     """The path check first, then size by size from the smallest: standard training's sweeps, then each
-    M (its outer rate swept at the smallest size, kept at the larger ones)."""
+    M (its outer rate, then its inner rate's factor, swept at the smallest size and kept at the larger ones)."""
     out = Plan(list(PATH_CHECK.values()), {}, {})
     smallest = next(iter(SIZES))
     for size in SIZES:
@@ -188,9 +193,12 @@ def plan(results: dict[str, dict]) -> Plan:
             if size == smallest:
                 todo, outer = quality.interior_sweep(
                     results, lambda o, m=m: SizeArm("islands", size, lr, batch, m, o), OUTER_LEARNING_RATES, step=1.4)
-                out.todo += todo
                 if outer is not None:
-                    out.outer[m] = outer
+                    todo, factor = quality.interior_sweep(
+                        results, lambda k, m=m: SizeArm("islands", size, quality.nice(lr * k), batch, m, outer), INNER_FACTORS)
+                    if factor is not None:
+                        out.outer[m] = (outer, factor)
+                out.todo += todo
             elif m in out.outer:
                 out.todo.append(out.chosen(size, m))
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
@@ -232,7 +240,8 @@ def summary(results: dict[str, dict]) -> dict:
     chosen = plan(results)
     out = {**recorded(list(results.values())), "tokens_per_parameter": TOKENS_PER_PARAMETER,
            "inner_steps": INNER_STEPS, "outer_momentum": OUTER_MOMENTUM,
-           "outer_lr": {str(m): lr for m, lr in chosen.outer.items()}, "sizes": {}, "fits": {},
+           "outer_lr": {str(m): lr for m, (lr, _) in chosen.outer.items()},
+           "inner_lr_factor": {str(m): factor for m, (_, factor) in chosen.outer.items()}, "sizes": {}, "fits": {},
            "published": {"points": {f"{n:g}": {str(m): g for m, g in row.items()} for n, row in PUBLISHED.items()},
                          "fits": {str(m): gap_fit({n: row[m] for n, row in PUBLISHED.items()}) for m in LEARNERS}},
            "path_check": path_check(results), "still_to_run": [a.name for a in chosen.todo]}
@@ -284,8 +293,8 @@ def page(table: dict, results: dict[str, dict]) -> str:
              "",
              f"Dense byte GPTs, {TOKENS_PER_PARAMETER} tokens per parameter, configs/brief.yaml's data; DiLoCo with "
              f"M one-learner islands (exact means every round, H = {INNER_STEPS}, outer Nesterov, momentum "
-             f"{OUTER_MOMENTUM}) at standard training's chosen batch and learning rate, against standard training "
-             "tuned on the validation split. Held-out bpb, mean over the evaluations, seed 0.",
+             f"{OUTER_MOMENTUM}) at standard training's chosen batch, their learning rates tuned per M, against "
+             "standard training tuned on the validation split. Held-out bpb, mean over the evaluations, seed 0.",
              "",
              "![gap against size](../../bench/results/size_scaling/gap.png)", "",
              "| size | parameters | tokens | standard (batch, lr) | " + " | ".join(f"M={m}" for m in LEARNERS) + " |",
@@ -310,8 +319,8 @@ def page(table: dict, results: dict[str, dict]) -> str:
                   f"; trained {check['speedup']:.1f}x faster ({check['replicas']['train_seconds']:.0f} s against "
                   f"{check['learners']['train_seconds']:.0f} s)."]
     if table["outer_lr"]:
-        lines += ["", "Outer learning rates chosen at the smallest size: " +
-                  ", ".join(f"M={m}: {lr:g}" for m, lr in table["outer_lr"].items()) + "."]
+        lines += ["", "Chosen at the smallest size, per M: outer learning rate, inner rate over standard training's: " +
+                  ", ".join(f"M={m}: {lr:g}, {table['inner_lr_factor'][m]:g}x" for m, lr in table["outer_lr"].items()) + "."]
     lines += ["", "## Arms (validation bpb, mean over evaluations)", "", "| arm | validation | held-out | train s |",
               "|---|---|---|---|"]
     for name, result in sorted(results.items()):

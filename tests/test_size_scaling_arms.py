@@ -37,12 +37,15 @@ def test_sizes_are_about_a_fifth_half_and_one_million_parameters():
 
 def scored(arm: SizeArm, best_batch: int) -> dict:
     """Standard training a parabola in log lr around 4e-3 x sqrt(batch / 16), worse away from `best_batch`;
-    M learners worse by 1% per learner past the first, best at outer rate 0.7 (1.0 for M = 8)."""
+    M learners worse by 1% per learner past the first, best at outer rate 0.7 and standard training's rate
+    (1.0 and half of it for M = 8)."""
     if arm.kind == "standard":
         value = 2 + (math.log(arm.lr) - math.log(4e-3 * math.sqrt(arm.batch / 16))) ** 2 \
             + 0.1 * abs(math.log2(arm.batch / best_batch))
     else:
-        value = 2 * (1 + 0.01 * (arm.learners - 1)) + (arm.outer_lr - (1.0 if arm.learners == 8 else 0.7)) ** 2
+        best_lr = 4e-3 * math.sqrt(arm.batch / 16) * (0.5 if arm.learners == 8 else 1.0)
+        value = 2 * (1 + 0.01 * (arm.learners - 1)) + (arm.outer_lr - (1.0 if arm.learners == 8 else 0.7)) ** 2 \
+            + 0.1 * (math.log(arm.lr) - math.log(best_lr)) ** 2
     value -= 0.1 * list(SIZES).index(arm.size)
     return {"arm": arm.name, "kind": arm.kind, "size": arm.size, "learners": arm.learners, "seed": arm.seed,
             "lr": arm.lr, "global_batch": arm.batch, "outer_lr": arm.outer_lr, "tokens": rows(arm) * 128,
@@ -60,13 +63,16 @@ def test_sweeps_end_interior_and_every_size_runs_every_m_at_its_chosen_settings(
     chosen = plan(results)
     assert not chosen.todo
     assert all(chosen.standard[size][0] == 32 for size in SIZES)
-    assert chosen.outer == {1: 0.7, 2: 0.7, 4: 0.7, 8: 1.0}
+    assert chosen.outer == {1: (0.7, 1.0), 2: (0.7, 1.0), 4: (0.7, 1.0), 8: (1.0, 0.5)}
     # The path check's arm ran first, on both paths, and the sweeps' arms on the replicas.
     assert list(results)[:2] == [arm.name for arm in PATH_CHECK.values()]
     islands = [r for r in list(results.values())[2:] if r["kind"] == "islands"]
     assert all(not r["arm"].endswith("learners") for r in islands)
     assert {(r["size"], r["learners"]) for r in islands} == {(s, m) for s in SIZES for m in LEARNERS}
     assert all(r["global_batch"] == 32 for r in islands)
+    # Past the smallest size, M = 8 keeps half of standard training's chosen rate.
+    eights = [r for r in islands if r["learners"] == 8 and r["size"] != next(iter(SIZES))]
+    assert eights and all(r["lr"] == pytest.approx(chosen.standard[r["size"]][1] * 0.5, rel=0.03) for r in eights)
     table = summary(results)
     assert table["path_check"]["bpb_difference"]["code"] == pytest.approx(0) and table["path_check"]["speedup"] == 1
     for size in SIZES:
