@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 
 from infra.spec import RunSpec
-from infra.stores import RunStores, open_run
-from training.consolidate import commit_consolidated, consolidate
+from infra.stores import open_run
+from training.consolidate import consolidate
 from training.data.shards import prepare_dataset
 from training.learner import events
-from training.replicas import train_replicas
 from training.stages import new_run_id, start_run, train_learners
 
 
@@ -144,20 +143,3 @@ def train_islands(spec: RunSpec, run_id: str, log: Log, restarts: int = 0) -> di
     train_learners(spec, run_id, relay, restarts,
                    on_restart=lambda learner, reason: log(f"  learner {learner} died ({reason}); restarting"))
     return consolidate(spec, open_run(spec, run_id))
-
-
-def train_as_replicas(spec: RunSpec, store, log: Log) -> dict:
-    """Every learner as a replica in this process (`training.replicas`, the sweeps' cheap path), then
-    consolidation; progress every tenth round."""
-    started = time.monotonic()
-    tokens_per_round = sum(slot.tokens_per_round() for slot in spec.learners)
-
-    def progress(p: dict) -> None:
-        if p["round"] % 10 == 9:
-            done, elapsed = p["round"] + 1, time.monotonic() - started
-            log(f"  round {done}/{p['rounds']} loss {p['loss']:.3f} {done * tokens_per_round / elapsed:,.0f} tok/s "
-                f"ETA {(p['rounds'] - done) * elapsed / done:.0f} s")
-
-    weights = train_replicas(spec, RunStores(spec, store), progress)
-    return commit_consolidated(store, weights, [slot.tokens_per_round() * spec.sync.rounds for slot in spec.learners],
-                               [slot.index for slot in spec.learners])

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from bench.harness import Log, load_arms, new_run, resumable_main, run_arms, train_as_replicas, train_islands
+from bench.harness import Log, load_arms, new_run, resumable_main, run_arms, train_islands
 from bench.results_page import provenance, recorded, write_results_page
 from eval.bootstrap import paired_bootstrap
 from eval.curve import standard_heldout_curve
@@ -262,10 +262,9 @@ def plan(results: dict[str, dict]) -> Plan:
 
 # -- running an arm ----------------------------------------------------------------------------------
 
-def run_arm(arm: Arm, log: Log, curve: bool = False, replicas: bool = False) -> dict:
+def run_arm(arm: Arm, log: Log, curve: bool = False) -> dict:
     """Train and score one arm. `curve`: standard training's snapshots are scored on the held-out sets
-    too (`heldout_curve`), for how many tokens it needs to reach a bpb. `replicas`: the learners train as
-    replicas in this process (`training.replicas`), which count no bytes."""
+    too (`heldout_curve`), for how many tokens it needs to reach a bpb."""
     spec = arm.spec()
     run_id, store, manifest = new_run(spec, arm.name.replace(".", "p"))
     started = time.monotonic()
@@ -277,15 +276,14 @@ def run_arm(arm: Arm, log: Log, curve: bool = False, replicas: bool = False) -> 
         key = layout.BASELINE
         if curve:
             extra["heldout_curve"] = standard_heldout_curve(spec, store)
-    elif replicas:
-        extra["consensus"], key = train_as_replicas(spec, store, log), layout.CONSOLIDATED
     else:
-        extra["consensus"], key = train_islands(spec, run_id, log), layout.CONSOLIDATED
+        extra["consensus"] = train_islands(spec, run_id, log)
         # The learners' own byte counters, against a per-step fp32 all-reduce over the same learners.
         counted = communication(spec, read_summaries(spec, store), build_model(spec).parameter_counts()["total"],
                                 BaselinePlan.of(spec).steps)
         extra["communication"] = {k: counted[k] for k in ("inter_island_bytes", "intra_island_bytes",
                                                           "allreduce_equivalent_bytes", "inter_island_reduction")}
+        key = layout.CONSOLIDATED
     train_seconds = time.monotonic() - started
     scores = score_model(spec, store, key, ("heldout", "validation"))
     result = {**provenance(), "arm": arm.name, "kind": arm.kind, "seed": arm.seed, "family": arm.family if arm.kind != "standard" else None,
@@ -296,7 +294,6 @@ def run_arm(arm: Arm, log: Log, curve: bool = False, replicas: bool = False) -> 
                                            "bits": r["document_bits"], "bytes": r["document_bytes"]}
                                     for name, r in scores["heldout"].items()},
               "train_seconds": round(train_seconds, 1), "parameters": build_model(spec).parameter_counts(),
-              **({"path": "replicas" if replicas else "learners"} if arm.kind != "standard" else {}),
               "training": spec.training.model_dump(mode="json"), "sync": spec.sync.model_dump(mode="json"), **extra}
     # Checkpoints of every round are gigabytes; the arm's figures are what the benchmark keeps.
     shutil.rmtree(Path(spec.store.url) / "runs" / run_id, ignore_errors=True)

@@ -5,15 +5,13 @@ data for 20 tokens per parameter. At each size:
 
 - standard training's global batch and learning rate are swept on the validation split until both
   optima are interior (`quality.batch_and_rate_sweep`);
-- DiLoCo runs with M learners on M one-learner islands (exact means every round: `allreduce` mode),
-  H = 30 inner steps, an outer Nesterov step (momentum 0.9), at standard training's chosen global
-  batch (B / M rows per learner). Per M at the smallest size, the outer learning rate is swept at
-  standard training's chosen rate, then the inner rate as a multiple of that; the larger sizes keep
-  both (the outer rate, and the inner rate's multiple of their own standard rate: Charles et al. find
-  the best outer rate does not move with size). The learners train as replicas in one process (`training.replicas`: their rows, inner
-  steps and the real exchanger, without processes or stores); the plan's first arms are one arm
-  (`PATH_CHECK`) on both paths, replicas and learner processes, and the page shows how far apart
-  they end.
+- DiLoCo runs with M learners on M one-learner islands, through the real learner path (learner
+  processes exchanging through the store, exact means every round: `allreduce` mode), H = 30 inner
+  steps, an outer Nesterov step (momentum 0.9), at standard training's chosen global batch (B / M rows
+  per learner). Per M at the smallest size, the outer learning rate is swept at standard training's
+  chosen rate, then the inner rate as a multiple of that; the larger sizes keep both (the outer rate,
+  and the inner rate's multiple of their own standard rate: Charles et al. find the best outer rate
+  does not move with size).
 
 The gap is an arm's held-out bpb over standard training's at its chosen settings, minus one; fitted per
 M as a line in log10(parameters), beside the same fit of Charles et al.'s figures (35 M to 2.4 B,
@@ -69,7 +67,6 @@ OUTER_MOMENTUM = 0.9
 OUTER_LEARNING_RATES = (0.5, 0.7, 1.0)
 INNER_FACTORS = (0.5, 1.0, 2.0)  # the learners' inner rate over standard training's chosen one
 SEED = quality.SWEEP_SEED
-PATHS = ("replicas", "learners")
 # Charles et al. ("Scaling Laws for DiLoCo", arXiv 2503.09799; C4, equal tokens, both sides tuned, H = 30):
 # DiLoCo's evaluation loss relative to tuned data parallelism, by parameters and M.
 PUBLISHED = {35e6: {1: -0.001, 2: 0.007, 4: 0.020, 8: 0.039},
@@ -111,8 +108,7 @@ def layout(size: str, learners: int, global_batch: int, rounds: int, seed: int =
 @dataclass(frozen=True)
 class SizeArm:
     """One run. `kind`: "standard" (at `batch`, `lr`) or "islands" (M = `learners` at standard training's
-    chosen `batch` and `lr`, outer learning rate `outer_lr`, trained on `path`: one of PATHS). Has the
-    attributes quality.run_arm reads."""
+    chosen `batch` and `lr`, outer learning rate `outer_lr`). Has the attributes quality.run_arm reads."""
 
     kind: str
     size: str
@@ -121,7 +117,6 @@ class SizeArm:
     learners: int = 1
     outer_lr: float | None = None
     seed: int = SEED
-    path: str = PATHS[0]
 
     @property
     def family(self) -> str:
@@ -131,8 +126,7 @@ class SizeArm:
     def name(self) -> str:
         if self.kind == "standard":
             return f"{self.size}-standard-b{self.batch}-lr{self.lr:g}"
-        path = "" if self.path == PATHS[0] else f"-{self.path}"
-        return f"{self.size}-m{self.learners}-b{self.batch}-lr{self.lr:g}-outer{self.outer_lr:g}{path}"
+        return f"{self.size}-m{self.learners}-b{self.batch}-lr{self.lr:g}-outer{self.outer_lr:g}"
 
     def raw(self) -> dict:
         rounds = reference_rounds(self.size)
@@ -147,11 +141,6 @@ class SizeArm:
 
     def spec(self) -> RunSpec:
         return parse_spec(self.raw())
-
-
-# The arm trained on both paths: the most learners, at the first grid's batch and middle rates.
-PATH_CHECK = {path: SizeArm("islands", "0.2M", FIRST_LEARNING_RATES[0], FIRST_BATCH, LEARNERS[-1], OUTER_LEARNING_RATES[1],
-                            path=path) for path in PATHS}
 
 
 # -- which arms to run, given what has finished ------------------------------------------------------
@@ -176,9 +165,9 @@ class Plan:
 
 
 def plan(results: dict[str, dict]) -> Plan:
-    """The path check first, then size by size from the smallest: standard training's sweeps, then each
-    M (its outer rate, then its inner rate's factor, swept at the smallest size and kept at the larger ones)."""
-    out = Plan(list(PATH_CHECK.values()), {}, {})
+    """Size by size from the smallest: standard training's sweeps, then each M (its outer rate, then its
+    inner rate's factor, swept at the smallest size and kept at the larger ones)."""
+    out = Plan([], {}, {})
     smallest = next(iter(SIZES))
     for size in SIZES:
         todo, chosen = quality.batch_and_rate_sweep(
@@ -207,8 +196,8 @@ def plan(results: dict[str, dict]) -> Plan:
 
 def run(log: Log) -> None:
     def train(arm: SizeArm, finished: dict[str, dict]) -> dict:
-        return {**quality.run_arm(arm, log, replicas=arm.kind != "standard" and arm.path == "replicas"),
-                "kind": arm.kind, "size": arm.size, "learners": arm.learners, "outer_lr": arm.outer_lr}
+        return {**quality.run_arm(arm, log), "kind": arm.kind, "size": arm.size, "learners": arm.learners,
+                "outer_lr": arm.outer_lr}
 
     run_arms(RESULTS, lambda finished: plan(finished).todo, train, lambda: write_page(log), log, CPU_LOCK)
 
@@ -223,19 +212,6 @@ def gap_fit(points: dict[float, float]) -> dict | None:
     return {"intercept": float(intercept), "slope_per_decade": float(slope)}
 
 
-def path_check(results: dict[str, dict]) -> dict | None:
-    """PATH_CHECK's arm on both paths: each path's bpb and seconds, the replicas' bpb minus the learners',
-    and how many times faster the replicas trained; None until both have run."""
-    runs = {path: results.get(arm.name) for path, arm in PATH_CHECK.items()}
-    if not all(runs.values()):
-        return None
-    replicas, learners = runs["replicas"], runs["learners"]
-    return {"arm": PATH_CHECK["replicas"].name,
-            **{path: {k: run[k] for k in ("bpb", "validation_bpb", "train_seconds")} for path, run in runs.items()},
-            "bpb_difference": {e: replicas["bpb"][e] - learners["bpb"][e] for e in replicas["bpb"]},
-            "speedup": learners["train_seconds"] / replicas["train_seconds"]}
-
-
 def summary(results: dict[str, dict]) -> dict:
     chosen = plan(results)
     out = {**recorded(list(results.values())), "tokens_per_parameter": TOKENS_PER_PARAMETER,
@@ -244,7 +220,7 @@ def summary(results: dict[str, dict]) -> dict:
            "inner_lr_factor": {str(m): factor for m, (_, factor) in chosen.outer.items()}, "sizes": {}, "fits": {},
            "published": {"points": {f"{n:g}": {str(m): g for m, g in row.items()} for n, row in PUBLISHED.items()},
                          "fits": {str(m): gap_fit({n: row[m] for n, row in PUBLISHED.items()}) for m in LEARNERS}},
-           "path_check": path_check(results), "still_to_run": [a.name for a in chosen.todo]}
+           "still_to_run": [a.name for a in chosen.todo]}
     for size in SIZES:
         standard = (arm := chosen.chosen(size, None)) and results.get(arm.name)
         if not standard:
@@ -312,12 +288,6 @@ def page(table: dict, results: dict[str, dict]) -> str:
         ours, theirs = table["fits"][str(m)], table["published"]["fits"][str(m)]
         fmt = (lambda f: f"{f['intercept']:+.3f}, {f['slope_per_decade']:+.3f}" if f else "-")
         lines.append(f"| {m} | {fmt(ours)} | {fmt(theirs)} |")
-    if check := table["path_check"]:
-        lines += ["", f"The replicas' path against the learner processes' (`{check['arm']}`): held-out bpb " +
-                  ", ".join(f"{e} {check['replicas']['bpb'][e]:.4f} against {check['learners']['bpb'][e]:.4f} "
-                            f"({check['bpb_difference'][e]:+.4f})" for e in check["bpb_difference"]) +
-                  f"; trained {check['speedup']:.1f}x faster ({check['replicas']['train_seconds']:.0f} s against "
-                  f"{check['learners']['train_seconds']:.0f} s)."]
     if table["outer_lr"]:
         lines += ["", "Chosen at the smallest size, per M: outer learning rate, inner rate over standard training's: " +
                   ", ".join(f"M={m}: {lr:g}, {table['inner_lr_factor'][m]:g}x" for m, lr in table["outer_lr"].items()) + "."]

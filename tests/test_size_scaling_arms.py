@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bench.size_scaling import (LEARNERS, PATH_CHECK, SIZES, TOKENS_PER_PARAMETER, SizeArm, figure, gap_fit,
-                                parameters, plan, summary)
+from bench.size_scaling import (LEARNERS, SIZES, TOKENS_PER_PARAMETER, SizeArm, figure, gap_fit, parameters, plan,
+                                summary)
 from training.baseline import BaselinePlan
 
 
@@ -64,17 +64,13 @@ def test_sweeps_end_interior_and_every_size_runs_every_m_at_its_chosen_settings(
     assert not chosen.todo
     assert all(chosen.standard[size][0] == 32 for size in SIZES)
     assert chosen.outer == {1: (0.7, 1.0), 2: (0.7, 1.0), 4: (0.7, 1.0), 8: (1.0, 0.5)}
-    # The path check's arm ran first, on both paths, and the sweeps' arms on the replicas.
-    assert list(results)[:2] == [arm.name for arm in PATH_CHECK.values()]
-    islands = [r for r in list(results.values())[2:] if r["kind"] == "islands"]
-    assert all(not r["arm"].endswith("learners") for r in islands)
+    islands = [r for r in results.values() if r["kind"] == "islands"]
     assert {(r["size"], r["learners"]) for r in islands} == {(s, m) for s in SIZES for m in LEARNERS}
     assert all(r["global_batch"] == 32 for r in islands)
     # Past the smallest size, M = 8 keeps half of standard training's chosen rate.
     eights = [r for r in islands if r["learners"] == 8 and r["size"] != next(iter(SIZES))]
     assert eights and all(r["lr"] == pytest.approx(chosen.standard[r["size"]][1] * 0.5, rel=0.03) for r in eights)
     table = summary(results)
-    assert table["path_check"]["bpb_difference"]["code"] == pytest.approx(0) and table["path_check"]["speedup"] == 1
     for size in SIZES:
         # The stand-in's learners lose 1% of bpb per learner past the first, at every size.
         gaps = [table["sizes"][size]["learners"][str(m)]["mean_gap"] for m in LEARNERS]

@@ -1,19 +1,49 @@
-"""The exchanger on its own, over an in-memory channel: the exchange's logic without a store or a
+"""The exchanger on its own, against a fake channel: the exchange's logic without a store or a
 learner process (the real transport and store are exercised by test_transport, test_resilience
 and the lifecycle tests)."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 import torch
 
 from infra.spec import parse_spec
+from infra.store import ObjectExists
 from training.model.registry import build_model
 from training.model.params import flat_parameters
-from training.exchange.channel import MemoryChannel
+from training.exchange.channel import Channel, Message
 from training.exchange.exchanger import Exchanger
+
+
+class FakeChannel(Channel):
+    """The messages of one run's learners held in memory; each job runs on a thread of its own, as
+    each learner's exchange runs on its own transport thread."""
+
+    def __init__(self):
+        self.messages: dict[str, tuple[dict, dict]] = {}
+        self.pool = ThreadPoolExecutor(8)
+
+    def submit(self, link, job, *args) -> Future:
+        return self.pool.submit(job, *args)
+
+    def send(self, key, tensors, meta, link) -> int:
+        if key in self.messages:
+            raise ObjectExists(key)
+        self.messages[key] = ({k: v.clone() for k, v in tensors.items()}, dict(meta))
+        return sum(v.numel() * v.element_size() for v in tensors.values())
+
+    def read_own(self, key, link, max_bytes) -> Message:
+        tensors, meta = self.messages[key]
+        return Message(dict(tensors), dict(meta), sum(v.numel() * v.element_size() for v in tensors.values()))
+
+    def fetch(self, peer, key, link, max_bytes, timeout_s, give_up) -> Message | None:
+        deadline = time.monotonic() + timeout_s
+        while key not in self.messages and not give_up() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.read_own(key, link, max_bytes) if key in self.messages else None
 
 
 def spec_of(mode: str = "butterfly", islands: int = 2, tau: int = 0, **outer):
@@ -41,7 +71,7 @@ def moved(initial: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def test_butterfly_partners_land_on_the_token_weighted_mean_and_agree_bitwise():
-    spec, transport = spec_of(), MemoryChannel(8)
+    spec, transport = spec_of(), FakeChannel()
     pair = exchangers(spec, transport)
     weights = [moved(pair[0].initial, seed) for seed in (1, 2)]
     sent = [x.start(0, w) for x, w in zip(pair, weights)]  # each publishes before the other receives
@@ -54,7 +84,7 @@ def test_butterfly_partners_land_on_the_token_weighted_mean_and_agree_bitwise():
 
 
 def test_progress_made_after_sending_is_kept_on_top_of_the_new_anchor():
-    spec, transport = spec_of(tau=1), MemoryChannel(8)
+    spec, transport = spec_of(tau=1), FakeChannel()
     pair = exchangers(spec, transport)
     weights = [moved(pair[0].initial, seed) for seed in (1, 2)]
     sent = [x.start(0, w) for x, w in zip(pair, weights)]
@@ -68,7 +98,7 @@ def test_the_outer_step_runs_in_the_exchange_and_the_state_to_checkpoint_is_the_
     exchange, the state a checkpoint takes is the one before that step (a restart from that
     checkpoint re-runs the exchange, and must not step twice)."""
     spec = spec_of(tau=1, name="shampoo", shampoo={"start_preconditioning_step": 1})
-    pair = exchangers(spec, MemoryChannel(8))
+    pair = exchangers(spec, FakeChannel())
     weights = [moved(pair[0].initial, seed) for seed in (1, 2)]
     before, _ = pair[0].state_dict()
     sent = [x.start(0, w) for x, w in zip(pair, weights)]
@@ -85,13 +115,13 @@ def test_the_outer_step_runs_in_the_exchange_and_the_state_to_checkpoint_is_the_
 
 def test_an_exchange_is_due_tau_steps_after_it_was_sent():
     spec = spec_of(tau=1)
-    (first, _) = exchangers(spec, MemoryChannel(8))
+    (first, _) = exchangers(spec, FakeChannel())
     assert [first.due(steps) for steps in (0, 1, 2)] == [False, True, True]
 
 
 @pytest.mark.parametrize("skipped, reason", [(False, "deadline"), (True, "skipped by the peer's restart")])
 def test_a_peer_that_never_sends_is_a_missed_exchange_and_the_learner_keeps_its_own_step(skipped, reason):
-    spec, transport = spec_of(), MemoryChannel(8)
+    spec, transport = spec_of(), FakeChannel()
     alone, _ = exchangers(spec, transport, skipped=lambda peer, round_index: skipped)
     weights = moved(alone.initial, 1)
     new, result = alone.apply(alone.start(0, weights, deadline=time.monotonic() + 0.2), weights)
@@ -100,7 +130,7 @@ def test_a_peer_that_never_sends_is_a_missed_exchange_and_the_learner_keeps_its_
 
 
 def test_a_poisoned_message_is_refused_before_it_is_mixed():
-    spec, transport = spec_of(), MemoryChannel(8)
+    spec, transport = spec_of(), FakeChannel()
     pair = exchangers(spec, transport)
     poisoned = moved(pair[1].initial, 2)
     poisoned[0] = float("nan")
@@ -112,7 +142,7 @@ def test_a_poisoned_message_is_refused_before_it_is_mixed():
 
 
 def test_all_reduce_mixes_every_peer_and_sends_only_the_pseudo_gradient():
-    spec, transport = spec_of("allreduce", islands=3), MemoryChannel(8)
+    spec, transport = spec_of("allreduce", islands=3), FakeChannel()
     group = exchangers(spec, transport)
     weights = [moved(group[0].initial, seed) for seed in (1, 2, 3)]
     sent = [x.start(0, w) for x, w in zip(group, weights)]
@@ -127,7 +157,7 @@ def test_all_reduce_mixes_every_peer_and_sends_only_the_pseudo_gradient():
 def test_a_resend_after_a_restart_keeps_to_the_message_peers_already_saw():
     """A dead life committed a message for the round; the new life's publish finds the key taken
     and mixes with what was sent, not with what it would send now."""
-    spec, transport = spec_of(), MemoryChannel(8)
+    spec, transport = spec_of(), FakeChannel()
     first_life, _ = exchangers(spec, transport)
     anchor = first_life.initial
     first_life.publish(0, anchor, torch.full_like(anchor, 1e-3))

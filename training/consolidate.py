@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from infra import layout
@@ -42,13 +40,6 @@ def consolidate(spec: RunSpec, store) -> dict:
     if not weights:
         raise RuntimeError(f"no learner committed an intact checkpoint for the final round {final_round} "
                            f"(missing: learners {missing}; corrupt: learners {corrupt})")
-    return commit_consolidated(store, weights, tokens, included, missing, corrupt)
-
-
-def commit_consolidated(store, weights: list[torch.Tensor], tokens: list[int], included: list[int],
-                        missing: Sequence[int] = (), corrupt: Sequence[int] = ()) -> dict:
-    """Commit the token-weighted mean of learners' final flat `weights` (learners `included`) as the run's
-    model; returns the learners' consensus."""
     mean = weighted_mean(weights, tokens)
     norm = mean.norm().item()
     distances = [((w - mean).norm().item() / norm) for w in weights]
@@ -56,6 +47,6 @@ def commit_consolidated(store, weights: list[torch.Tensor], tokens: list[int], i
                    default=0.0)
     consensus = {"max_weight_distance": max(distances), "mean_weight_distance": sum(distances) / len(distances),
                  "max_pairwise_distance": pairwise, "per_learner": dict(zip(map(str, included), distances)),
-                 "learners_without_final_checkpoint": list(missing), "learners_with_corrupt_final_checkpoint": list(corrupt)}
+                 "learners_without_final_checkpoint": missing, "learners_with_corrupt_final_checkpoint": corrupt}
     commit_derived(store, layout.CONSOLIDATED, {"weights": mean}, {"tokens": sum(tokens), "consensus": consensus})
     return consensus

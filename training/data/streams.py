@@ -20,7 +20,8 @@ def min_stream_tokens(seq_len: int) -> int:
 class WindowSampler:
     """Random (input, target) windows from a learner's stream, reproducible from a seed.
 
-    The learner reseeds the generator every round (`start_round`).
+    The learner reseeds the generator every round, so a resumed learner draws exactly the windows
+    it would have drawn.
     """
 
     def __init__(self, stream: torch.Tensor, seq_len: int, seed: int):
@@ -29,11 +30,6 @@ class WindowSampler:
         self.stream = stream.long()
         self.seq_len = seq_len
         self.generator = torch.Generator().manual_seed(seed)
-
-    def start_round(self, seed: int, learner: int, round_index: int) -> None:
-        """Reseed for a learner's round: its windows depend on nothing but these, so a resumed learner,
-        or its replica in `training.replicas`, draws the ones it would have drawn anyway."""
-        self.generator.manual_seed(hash((seed, learner, 0, round_index)) & 0x7FFF_FFFF_FFFF_FFFF)
 
     def batch(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = torch.randint(0, len(self.stream) - self.seq_len - 1, (rows,), generator=self.generator)

@@ -220,8 +220,9 @@ class Learner:
     def inner_steps(self, round_index: int) -> float:
         island = self.slot.island
         total = island.inner_steps * self.spec.sync.rounds
-        # Every rank draws the same windows (the learner's batch) whatever its number.
-        self.sampler.start_round(self.spec.seed, self.slot.index, round_index)
+        # Reseeded per round, so a resumed learner draws the windows it would have drawn anyway; every
+        # rank draws the same ones (the learner's batch) whatever its number.
+        self.sampler.generator.manual_seed(hash((self.spec.seed, self.slot.index, 0, round_index)) & 0x7FFF_FFFF_FFFF_FFFF)
         losses = []
         for h in range(island.inner_steps):
             inputs, targets = (rows[self.my_rows] for rows in self.sampler.batch(island.batch_size))

@@ -27,26 +27,10 @@ def forward_precision(device: torch.device, precision: str) -> AbstractContextMa
 
 def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:
     """Clip the gradients backward left in `model` and step at `lr`."""
-    set_learning_rate(optimizer, lr)
-    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
-    optimizer.step()
-
-
-def replicas_step(stacked: list[torch.Tensor], optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """`optimizer_step` for replicas stacked along each parameter's first dimension: each replica's
-    gradients clipped by their own norm, as its own model's would be. AdamW works element by element,
-    so one optimizer over the stacks steps every replica as its own would."""
-    set_learning_rate(optimizer, lr)
-    norms = torch.stack([p.grad.flatten(1).norm(dim=1) for p in stacked], dim=1).norm(dim=1)
-    scale = (CLIP_NORM / (norms + 1e-6)).clamp(max=1.0)  # as clip_grad_norm_ computes it
-    for p in stacked:
-        p.grad.mul_(scale.view(-1, *[1] * (p.dim() - 1)))
-    optimizer.step()
-
-
-def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+    optimizer.step()
 
 
 def average_gradients(model: torch.nn.Module, world: int) -> None:
