@@ -415,6 +415,34 @@ def summary(results: dict[str, dict]) -> dict:
     return out
 
 
+def figure(results: dict[str, dict], chosen: Plan, path: Path) -> None:
+    """Validation bpb against the AdamW learning rate (seed 0): standard training, a line per global batch,
+    and the islands' inner rate at their other chosen settings; today's butterfly as a level."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    sweep = [r for r in results.values() if r["kind"] == "standard" and r["seed"] == SWEEP_SEED and not r.get("stable")]
+    for i, batch in enumerate(sorted({r["global_batch"] for r in sweep})):
+        points = sorted((r["lr"], quality.validation_score(r)) for r in sweep if r["global_batch"] == batch)
+        ax.plot(*zip(*points), "o-", color=f"C{i}", label=f"(b) standard, batch {batch}")
+    islands = chosen.islands or HonestArm("islands", SWEEP_SEED, outer_lr=recipe_rates()[1])
+    points = sorted((r["lr"], quality.validation_score(r)) for r in results.values() if r["kind"] == "islands"
+                    and r["arm"] == replace(islands, lr=r["lr"]).name)
+    if points:
+        ax.plot(*zip(*points), "s-", color="black", label=f"islands, inner rate (batch {islands.batch or recipe_batch()})")
+    if (today := results.get(HonestArm("butterfly_today", SWEEP_SEED).name)) is not None:
+        ax.axhline(quality.validation_score(today), color="grey", ls="--", label="butterfly today (untuned)")
+    ax.set_xscale("log")
+    ax.set_xlabel("AdamW learning rate (the islands' inner rate)")
+    ax.set_ylabel("validation bpb, mean over evaluations")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def learner_settings(chosen: dict | None) -> str:
     if not chosen:
         return "sweep not finished"
@@ -460,6 +488,7 @@ def page(table: dict, results: dict[str, dict]) -> str:
     lines += [f"Goal: the islands at least {-GOAL:.0%} below (b) on every evaluation (mean of 3 seeds, interval below "
               f"zero) and within {TOKEN_RATIO_GOAL}x of (c) in standard training's tokens.", "",
               "## Sweeps (seed 0, validation split)", "",
+              "![validation bpb against the learning rate](../../bench/results/honest/sweeps.png)", "",
               "| arm | validation bpb (mean over evaluations) | train s |", "|---|---|---|"]
     for name, result in sorted(results.items()):
         if result["seed"] == SWEEP_SEED:
@@ -474,10 +503,11 @@ def write_page(log: Log | None = None) -> None:
     table = summary(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.json").write_text(json.dumps(table, indent=1))
+    figure(results, plan(results), RESULTS / "sweeps.png")
     write_results_page("honest", page(table, results), sources=str(RESULTS), command="python -m bench.honest --table",
                        commit=table["commit"], date=table["date"])
     if log:
-        log(f"wrote {RESULTS / 'summary.json'} and docs/results/honest.md")
+        log(f"wrote {RESULTS / 'summary.json'}, sweeps.png and docs/results/honest.md")
 
 
 def main(argv: list[str] | None = None) -> int:

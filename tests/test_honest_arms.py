@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bench.honest import (BATCH_LIMITS, DIAGNOSTICS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, outer_momentum,
-                          plan, summary, tokens_to_reach)
+from bench.honest import (BATCH_LIMITS, DIAGNOSTICS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, figure,
+                          outer_momentum, plan, summary, tokens_to_reach)
 from training.baseline import BaselinePlan
 from training.model.registry import build_model
 
@@ -74,7 +74,7 @@ def scored(arm, best_batch: int) -> dict:
 
 
 @pytest.mark.parametrize("best_batch", [24, 6])
-def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batch):
+def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batch, tmp_path):
     results = {}
     for _ in range(300):
         todo = plan(results).todo
@@ -104,6 +104,8 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
     assert len(entry["islands"]) == len(SEEDS) and table["tokens_per_active_parameter"] == TOKENS_PER_ACTIVE_PARAMETER
     assert set(table["diagnostics"]) == set(DIAGNOSTICS) - {"nesterov"}
+    figure(results, chosen, tmp_path / "sweeps.png")
+    assert (tmp_path / "sweeps.png").stat().st_size > 10_000
 
 
 def test_an_islands_batch_that_does_not_divide_into_whole_rows_and_steps_is_refused_by_name():
