@@ -269,10 +269,7 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
         return todo, None
     optimizer = min(arms, key=lambda name: quality.validation_score(results[arms[name].name]))
     outer0, outer_grid = candidates[optimizer], tuple(quality.nice(candidates[optimizer] * k) for k in OUTER_FACTORS)
-
-    batch0 = recipe_batch()
-
-    momentum0 = outer_momentum(optimizer)
+    batch0, momentum0 = recipe_batch(), outer_momentum(optimizer)
 
     def arm(lr: float, outer_lr: float, batch: int = batch0, momentum: float = momentum0) -> HonestArm:
         return HonestArm(kind, SWEEP_SEED, lr=lr, outer_lr=outer_lr, outer_optimizer=optimizer,
@@ -291,7 +288,8 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
         todo, inner = quality.interior_sweep(results, lambda lr: arm(lr, outer), inner_grid)
     if inner is None or outer is None:
         return todo, None
-    # Swept as 1 - momentum, the horizon momentum averages over: 0.5 steps to 0.25 and 0.75.
+    # Swept as 1 - momentum (the horizon momentum averages over), halved and doubled: from momentum 0.5,
+    # 0.75 and 0 (none, the bound).
     todo, keep = quality.interior_sweep(results, lambda d: arm(inner, outer, momentum=round(1 - d, 4)),
                                         tuple(sorted({min(1.0, (1 - momentum0) * k) for k in (0.5, 1, 2)})),
                                         bounds=(0.01, 1.0))
