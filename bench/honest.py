@@ -107,9 +107,14 @@ def honest_rounds(config: Path) -> int:
 
 
 @functools.cache
+def islands_recipe() -> dict:
+    """configs/brief-hierarchical.yaml as written: where the learners' sweeps start (read, never changed)."""
+    return yaml.safe_load(CONFIGS["islands"].read_text())
+
+
 def recipe_rates() -> tuple[float, float]:
-    """The islands recipe's (inner, outer) learning rates: where the learners' sweeps start."""
-    raw = yaml.safe_load(CONFIGS["islands"].read_text())
+    """The islands recipe's (inner, outer) learning rates."""
+    raw = islands_recipe()
     return raw["training"]["lr"], raw["sync"]["outer"]["lr"]
 
 
@@ -117,7 +122,7 @@ def outer_momentum(optimizer: str | None) -> float:
     """The outer momentum an optimizer of the sweep starts from (None: the recipe's)."""
     if optimizer is not None:
         return OUTER_OPTIMIZERS[optimizer]["momentum"]
-    return yaml.safe_load(CONFIGS["islands"].read_text())["sync"]["outer"]["momentum"]
+    return islands_recipe()["sync"]["outer"]["momentum"]
 
 
 def recipe(config: Path, seed: int) -> dict:
@@ -135,10 +140,9 @@ def global_batch(raw: dict) -> int:
     return sum(island["learners"] * island["batch_size"] for island in raw["islands"])
 
 
-@functools.cache
 def recipe_batch() -> int:
-    """The islands recipe's global batch: where the learners' batch sweeps start."""
-    return global_batch(yaml.safe_load(CONFIGS["islands"].read_text()))
+    """The islands recipe's global batch."""
+    return global_batch(islands_recipe())
 
 
 def with_global_batch(raw: dict, batch: int) -> dict:
