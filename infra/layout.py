@@ -53,8 +53,14 @@ def message(learner: int, round_index: int, fragment: int | None = None) -> str:
 
 def crossing_message(learner: int, round_index: int, fragment: int | None = None) -> str:
     """What a learner sends the other islands in a round that crosses them (`sync.mode: hierarchical`):
-    its slice of its island's anchor and pseudo-gradient, apart from its `message` of the round."""
+    its slice of its island's anchor, apart from its `message` of the round."""
     name = "message-crossing" if fragment is None else f"message-crossing-fragment-{fragment:03d}"
+    return f"{round_prefix(learner, round_index)}/{name}"
+
+
+def mixed_slice_message(learner: int, round_index: int, fragment: int | None = None) -> str:
+    """What a learner shares with its own island after a crossing: the islands' mean of its slice."""
+    name = "message-mixed" if fragment is None else f"message-mixed-fragment-{fragment:03d}"
     return f"{round_prefix(learner, round_index)}/{name}"
 
 

@@ -27,12 +27,14 @@ NESTEROV = {"name": "nesterov", "lr": 0.7, "momentum": 0.9}
 SHAMPOO = {"name": "shampoo", "lr": 0.7, "momentum": 0.5, "shampoo": {"start_preconditioning_step": 1}}
 
 
-def spec_of(tmp_path, outer=PLAIN_MEAN, every=2, fragments=1, compression="none", mode="hierarchical", timeout=10):
-    """Two islands of two learners whose rounds weigh differently (batch 2 and 4)."""
+def spec_of(tmp_path, outer=PLAIN_MEAN, every=2, fragments=1, compression="none", mode="hierarchical", timeout=10,
+            learners=(2, 2)):
+    """Two islands (of two learners each unless `learners` says otherwise) whose rounds weigh differently
+    (batch 2 and 4)."""
     return parse_spec({
         "name": "hierarchical",
-        "islands": [{"name": f"island-{i}", "learners": 2, "batch_size": 2 * (i + 1), "seq_len": 8, "inner_steps": 2}
-                    for i in range(2)],
+        "islands": [{"name": f"island-{i}", "learners": n, "batch_size": 2 * (i + 1), "seq_len": 8, "inner_steps": 2}
+                    for i, n in enumerate(learners)],
         "model": {"layers": 2, "width": 8, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]},
         "sync": {"mode": mode, "rounds": 4, "partner_timeout_s": timeout, "outer": outer,
@@ -128,21 +130,26 @@ def test_each_island_takes_its_outer_step_every_round(tmp_path):
             torch.testing.assert_close(group.weights[i], want, rtol=0, atol=1e-6)
 
 
-def test_a_crossing_gives_every_learner_the_islands_token_weighted_mean(tmp_path):
-    spec = spec_of(tmp_path, every=1, fragments=2)
+@pytest.mark.parametrize("learners", [(2, 2), (1, 3)])  # islands that slice the fragment alike, and not
+def test_a_crossing_gives_every_learner_the_islands_token_weighted_mean(tmp_path, learners):
+    spec = spec_of(tmp_path, every=1, fragments=2, learners=learners)
     group = Group(spec, tmp_path)
     tokens = [slot.tokens_per_round() for slot in spec.learners]
-    for t in range(2):  # each fragment once: both cross
+    read = [{"inter": 0, "intra": 0} for _ in spec.learners]
+    for t in range(spec.sync.rounds):  # every round crosses
         group.train(t)
-        before = [group.weights[i].clone() for i in range(4)]
-        group.exchange(t)
+        before = [w.clone() for w in group.weights]
+        for i, result in group.exchange(t).items():
+            assert result.missed == []
+            read[i] = {link: read[i][link] + result.bytes_read[link] for link in read[i]}
         index = group.exchangers[0].fragment_of(t).index
         # lr 1, no momentum: each island's step lands on its token-weighted mean, and the islands' mean
-        # by tokens is the mean over all four learners.
+        # by tokens is the mean over all learners.
         want = token_weighted([b[index] for b in before], tokens)
         torch.testing.assert_close(group.weights[0][index], want, rtol=0, atol=1e-6)
         assert_same([w[index] for w in group.weights])
         assert_same([x.fragment_of(t).anchor for x in group.exchangers])
+    assert [plan.bytes_read for plan in replay(spec, {"island-0": 0.1, "island-1": 0.1}, 1e9)] == read
 
 
 @pytest.mark.parametrize("outer, compression", [(SHAMPOO, "none"), (NESTEROV, "int4")])
@@ -200,28 +207,33 @@ def test_inter_island_bytes_flow_only_in_crossings_and_are_the_planned_bytes(tmp
         assert plan.bytes_read == {"inter": count["inter"], "intra": count["intra"]}
         assert plan.bytes_written == count["written"]
         assert plan.requests == sum(c.requests for c in transport.counters.values())
-    # A crossing brings each learner about one fragment's anchor from the other island, half of what a
-    # butterfly pair's message (anchor and pseudo-gradient) brings, in slices with a commit each
-    # (fragment 0's and 1's).
+    # A crossing brings each learner, from the other island, the slice of the fragment's anchor it
+    # carries, half the anchor in islands of two learners: a quarter of what a butterfly pair's message
+    # (anchor and pseudo-gradient) brings, with a commit each (fragment 0's and 1's).
     butterfly = spec_of(tmp_path, mode="butterfly", fragments=2, compression="int8")
     pair_messages = sum(message_bytes(butterfly, n) for n in fragment_sizes(butterfly))
-    assert pair_messages / 2 <= plans[0].bytes_read["inter"] <= pair_messages / 2 + 2048
+    assert pair_messages / 4 <= plans[0].bytes_read["inter"] <= pair_messages / 4 + 2048
 
 
 def test_a_miss_leaves_the_peer_out_and_is_recorded(tmp_path):
-    """Learner 3's restart skipped the round: its island partner's mean is its own, and the other island
-    leaves island 1's second slice out of the crossing's mean; learners 0 and 1 still agree."""
+    """Learner 3's restart skipped the round: its island partner's mean is its own and keeps its island's
+    own second slice, and learner 1, who carries island 0's second slice, leaves island 1 out of that
+    slice's mean; learners 0 and 1 still agree, and the first slice is both islands' mean everywhere."""
     spec = spec_of(tmp_path, every=1)
     group = Group(spec, tmp_path, learners=[0, 1, 2], skipped=lambda peer, round_index: peer == 3)
     group.train(0)
     results = group.exchange(0)
     reason = "skipped by the peer's restart"
-    assert results[0].missed == [{"round": 0, "peer": 3, "reason": reason, "crossing": True}]
+    assert results[0].missed == []  # it reads only learner 2's slice across the islands, and 1's mix
+    assert results[1].missed == [{"round": 0, "peer": 3, "reason": reason, "crossing": True}]
     assert results[2].missed == [{"round": 0, "peer": 3, "reason": reason},
-                                 {"round": 0, "peer": 3, "reason": reason, "crossing": True}]
-    assert torch.equal(group.weights[0], group.weights[1]) and torch.equal(group.exchangers[0].anchors(),
-                                                                          group.exchangers[1].anchors())
-    assert not torch.equal(group.weights[0], group.weights[2])
+                                 {"round": 0, "peer": 3, "reason": reason, "crossing": True, "mixed": True}]
+    anchors = [x.anchors() for x in group.exchangers]
+    assert torch.equal(group.weights[0], group.weights[1]) and torch.equal(anchors[0], anchors[1])
+    index = group.exchangers[0].fragment_of(0).index
+    _, half = crossing_slices(spec, group.exchangers[0].layout.sizes)[0][0]
+    assert torch.equal(anchors[0][index[:half]], anchors[2][index[:half]])
+    assert not torch.equal(anchors[0][index[half:]], anchors[2][index[half:]])
     assert all(bool(torch.isfinite(w).all()) for w in group.weights[:3])
 
 
@@ -233,6 +245,8 @@ def test_slices_are_tensor_split_s_and_the_crossing_mean_handles_other_slicings_
     anchors = [torch.randn(10), torch.randn(10)]
     islands = [(100, list(anchors[0].tensor_split(2))), (300, list(anchors[1].tensor_split(3)))]
     torch.testing.assert_close(mean_over_islands(10, islands), 0.25 * anchors[0] + 0.75 * anchors[1])
+    for span in [(0, 5), (3, 8)]:  # one learner's slice of either island, across the other's cuts
+        torch.testing.assert_close(mean_over_islands(10, islands, span), mean_over_islands(10, islands)[slice(*span)])
     islands[1][1][1] = None  # island 1's second slice (elements 4 to 6) did not arrive
     anchor = mean_over_islands(10, islands)
     torch.testing.assert_close(anchor[4:7], anchors[0][4:7])

@@ -105,8 +105,10 @@ class Hierarchical(SyncMode):
     """An exact mean inside each island and the island's outer step along it every round; in every
     `inter_island_every`-th exchange of a fragment, right after that step, a crossing that gives every
     learner the islands' mean anchor (training/exchange/mixing.py). A round's peers are the learner's
-    own island; the crossing's sources are every other learner, each with its slice of its island's
-    fragment."""
+    own island. In a crossing each learner reads, from the other islands, only the learners whose
+    slices of the fragment overlap its own, takes the islands' mean of its slice, and shares that with
+    its own island, whose mixed slices it reads back: a crossing's bytes over the slow link are one
+    fragment's anchor per island pair, not per learner."""
 
     fields = ("delta",)
 
@@ -119,10 +121,12 @@ class Hierarchical(SyncMode):
     def crosses(self, round_index: int, fragments: int, inter_island_every: int) -> bool:
         return crosses_islands_in(exchange_count(round_index, fragments), inter_island_every)
 
-    def crossing_sources(self, me: int, links: list[str]) -> list[int]:
-        """Whose slices a learner reads in a crossing: every other learner, other islands first (theirs
-        come over the slow link)."""
-        return sorted((p for p in range(len(links)) if p != me), key=lambda p: links[p] != "inter")
+    def crossing_sources(self, me: int, links: list[str], slices: list[tuple[int, int]]) -> list[int]:
+        """Whose slices a learner reads in a crossing: the other islands' learners whose slice of the
+        fragment (`slices`, per learner) overlaps its own; one per island where islands have as many
+        learners."""
+        start, end = slices[me]
+        return [p for p in range(len(links)) if links[p] == "inter" and slices[p][0] < end and start < slices[p][1]]
 
 
 def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Received]) -> torch.Tensor:
@@ -134,7 +138,11 @@ def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Rec
 
 
 SYNC_MODES: dict[str, SyncMode] = {"butterfly": Butterfly(), "allreduce": AllReduce(), "hierarchical": Hierarchical()}
-CROSSING_FIELDS = ("anchor",)
+# A learner's messages of a round: its round's message; in hierarchical mode, in a round that crosses
+# islands, its slice of its island's anchor for the other islands, then that slice's islands' mean for
+# its own island.
+ROUND, CROSSING, MIXED = "round", "crossing", "mixed"
+CROSSING_FIELDS = ("anchor",)  # the fields of a crossing's and of a mixed slice's message
 CROSSING_RESIDUALS = "crossing."  # where a crossing's message keeps its error-feedback residuals
 
 
@@ -163,17 +171,19 @@ def crossing_slices(spec: RunSpec, sizes: list[int]) -> list[list[tuple[int, int
             for size in sizes]
 
 
-def message_key(fragments: int, learner: int, round_index: int, crossing: bool = False) -> str:
-    """Where learner `learner`'s message of a round lies (`crossing`: its hierarchical crossing's)."""
+def message_key(fragments: int, learner: int, round_index: int, kind: str = ROUND) -> str:
+    """Where learner `learner`'s message of `kind` (ROUND, CROSSING, MIXED) of a round lies."""
     fragment = fragment_of_round(round_index, fragments) if fragments > 1 else None
-    return (layout.crossing_message if crossing else layout.message)(learner, round_index, fragment)
+    key = {ROUND: layout.message, CROSSING: layout.crossing_message, MIXED: layout.mixed_slice_message}[kind]
+    return key(learner, round_index, fragment)
 
 
-def message_codec(spec: RunSpec, crossing: bool = False) -> Codec:
-    """How a message is encoded: with the run's codec, but for a hierarchical round's message, which
-    stays inside its island on the island's own fast path and is mixed exactly there, as fp32."""
+def message_codec(spec: RunSpec, kind: str = ROUND) -> Codec:
+    """How a message of `kind` is encoded: with the run's codec, but in hierarchical mode a message that
+    stays inside its island (a round's, a mixed slice's), on the island's own fast path where its values
+    are taken exactly, as fp32."""
     settings = spec.sync.transport
-    if spec.sync.mode == "hierarchical" and not crossing:
+    if spec.sync.mode == "hierarchical" and kind != CROSSING:
         return Codec("none")
     return Codec(settings.compression, settings.scale_chunk, settings.topk)
 
@@ -186,17 +196,18 @@ def residual_fields(spec: RunSpec) -> tuple[str, ...]:
     return rounds + (tuple(CROSSING_RESIDUALS + f for f in CROSSING_FIELDS) if spec.sync.mode == "hierarchical" else ())
 
 
-def expected_message(spec: RunSpec, learner: int, round_index: int, numel: int,
-                     crossing: bool = False) -> ExpectedMessage:
-    """What learner `learner`'s message of a round is by the run's plan, `numel` elements a field. A
-    crossing's message (hierarchical mode) carries the learner's slice of its island's anchor."""
+def expected_message(spec: RunSpec, learner: int, round_index: int, numel: int, kind: str = ROUND) -> ExpectedMessage:
+    """What learner `learner`'s message of `kind` of a round is by the run's plan, `numel` elements a
+    field. A crossing's message (hierarchical mode) carries the learner's slice of its island's anchor,
+    a mixed slice's the islands' mean of that slice."""
     settings = spec.sync.transport
-    lossless = message_codec(spec, crossing).lossless
-    members = island_members(spec, learner)
+    sliced = kind != ROUND
     return ExpectedMessage(learner=learner, round=round_index, fragment=fragment_of_round(round_index, settings.fragments),
                            tokens=spec.learners[learner].tokens_per_round(), numel=numel,
-                           fields=CROSSING_FIELDS if crossing else SYNC_MODES[spec.sync.mode].fields,
-                           anchor_from_initial=not lossless, slice_index=members.index(learner) if crossing else None)
+                           fields=CROSSING_FIELDS if sliced else SYNC_MODES[spec.sync.mode].fields,
+                           anchor_from_initial=not message_codec(spec, kind).lossless,
+                           slice_index=island_members(spec, learner).index(learner) if sliced else None,
+                           mixed=kind == MIXED)
 
 
 def partner_wait_s(sync, round_compute_s: float) -> float | None:
@@ -293,7 +304,7 @@ class Exchanger:
         self.fragments = [Fragment(f, index, initial[index].clone(),
                                    OuterOptimizer.from_spec(spec.sync.outer, [shapes[name] for name in names]))
                           for f, (index, names) in enumerate(zip(self.layout.indices, self.layout.names))]
-        self.codec = message_codec(spec, crossing=True)  # every message but a hierarchical round's
+        self.codec = message_codec(spec, CROSSING)  # every message but those inside a hierarchical island
         self.round_codec = message_codec(spec)
         # Compressed anchors travel as their difference from the run's initial weights, which every
         # learner rebuilds from the seed: quantisation then spends its levels on what training changed.
@@ -519,13 +530,16 @@ class Exchanger:
 
     def _cross(self, result: ExchangeResult, round_index: int, fragment: Fragment, anchor: torch.Tensor,
                deadline: float | None) -> torch.Tensor:
-        """Send this learner's slice of its island's new anchor, read every other learner's, and take the
-        islands' mean (`mean_over_islands`). A slice of this learner's own island that does not arrive is
-        stood in for by this learner's own values of it; one of another island's leaves that island out
-        of the slice's mean. A peer's slice is bounded by the island's own anchor there and by how far
-        the island has moved since the run began (its pseudo-gradient over the whole run): islands that
-        trained apart since the last crossing may lie much further apart than one round's step."""
+        """Send this learner's slice of its island's new anchor to the other islands, read theirs of the
+        same elements, and take the islands' mean of the slice (`mean_over_islands`); then share it with
+        this learner's own island and read theirs back. A slice of another island that does not arrive
+        leaves that island out of the slice's mean; a mixed slice of this island's that does not arrive
+        leaves this learner with its island's own values there. A peer's slice is bounded by the island's
+        own anchor there and by how far the island has moved since the run began (its pseudo-gradient
+        over the whole run): islands that trained apart since the last crossing may lie much further
+        apart than one round's step. Each phase's reads get as long as the first's had."""
         me, slices = self.slot.index, self.slices[fragment.number]
+        allowed = None if deadline is None else max(0.0, deadline - time.monotonic())
         travelled = self.initial[fragment.index] - anchor
 
         def island_values(learner: int) -> dict[str, torch.Tensor]:
@@ -533,35 +547,52 @@ class Exchanger:
             return {"anchor": anchor[start:end], "delta": travelled[start:end]}
 
         exact = {"anchor": island_values(me)["anchor"]}
-        published = self._commit(round_index, self._message_key(me, round_index, crossing=True),
+        published = self._commit(round_index, self._message_key(me, round_index, CROSSING),
                                  "inter" if "inter" in self.links else "intra", exact,
-                                 self._slice_positions(fragment, me), self._expected(me, round_index, crossing=True),
+                                 self._slice_positions(fragment, me), self._expected(me, round_index, CROSSING),
                                  self.codec, residuals=CROSSING_RESIDUALS)
         result.bytes_sent += published.bytes_written
         result.crossing_residual = published.residual
         heard = {me: (exact if self._mixes_own_exact() else published.sent)["anchor"]}
-        for peer in self.mode.crossing_sources(me, self.links):
-            receipt = self._receive(peer, round_index, self._message_key(peer, round_index, crossing=True),
-                                    self._expected(peer, round_index, crossing=True), self.codec,
+        for peer in self.mode.crossing_sources(me, self.links, slices):
+            receipt = self._receive(peer, round_index, self._message_key(peer, round_index, CROSSING),
+                                    self._expected(peer, round_index, CROSSING), self.codec,
                                     self._slice_positions(fragment, peer), deadline, own=island_values(peer))
             if self._book(result, receipt, round_index, crossing=True):
                 heard[peer] = receipt.message.fields["anchor"]
-            elif self.links[peer] == "intra":
-                heard[peer] = island_values(peer)["anchor"]
-        return mean_over_islands(int(fragment.index.numel()),
-                                 [(sum(self.spec.learners[m].tokens_per_round() for m in members),
-                                   [heard.get(m) for m in members]) for members in islands_of(self.spec)])
+        mixed = mean_over_islands(int(fragment.index.numel()),
+                                  [(sum(self.spec.learners[m].tokens_per_round() for m in members),
+                                    [heard.get(m) for m in members]) for members in islands_of(self.spec)],
+                                  span=slices[me])
+        crossed = anchor.clone()
+        peers = self._peers(round_index)
+        if not peers:  # an island of one: no one to share the mix with
+            crossed[slices[me][0]:slices[me][1]] = mixed
+            return crossed
+        # A previous life of this learner may have shared a different mix: its island holds that one.
+        shared = self._commit(round_index, self._message_key(me, round_index, MIXED), "intra", {"anchor": mixed},
+                              self._slice_positions(fragment, me), self._expected(me, round_index, MIXED),
+                              self.round_codec)
+        result.bytes_sent += shared.bytes_written
+        crossed[slices[me][0]:slices[me][1]] = shared.sent["anchor"]
+        deadline = None if allowed is None else time.monotonic() + allowed
+        for peer in peers:
+            receipt = self._receive(peer, round_index, self._message_key(peer, round_index, MIXED),
+                                    self._expected(peer, round_index, MIXED), self.round_codec,
+                                    self._slice_positions(fragment, peer), deadline, own=island_values(peer))
+            if self._book(result, receipt, round_index, crossing=True, mixed=True):
+                crossed[slices[peer][0]:slices[peer][1]] = receipt.message.fields["anchor"]
+        return crossed
 
-    def _book(self, result: ExchangeResult, receipt: Receipt, round_index: int, crossing: bool = False) -> bool:
-        """Count what reading a peer's message moved; record it as missed if it brought none. Returns
-        whether it brought one."""
+    def _book(self, result: ExchangeResult, receipt: Receipt, round_index: int, **details) -> bool:
+        """Count what reading a peer's message moved; record it as missed if it brought none (with
+        `details`: which of a crossing's messages it was). Returns whether it brought one."""
         watchdog.progress()
         result.bytes_read[receipt.link] += receipt.bytes_read
         result.corrupt_reads += receipt.corrupt
         result.refused += receipt.refused
         if receipt.message is None:
-            result.missed.append({"round": round_index, "peer": receipt.peer, "reason": receipt.reason,
-                                  **({"crossing": True} if crossing else {})})
+            result.missed.append({"round": round_index, "peer": receipt.peer, "reason": receipt.reason, **details})
         return receipt.message is not None
 
     def _mixes_own_exact(self) -> bool:
@@ -593,11 +624,11 @@ class Exchanger:
         """The exchange's priority on the transport: inter-island when any of its messages crosses islands."""
         return "inter" if self._crosses(round_index) and "inter" in self.links else self._link_class(round_index)
 
-    def _message_key(self, learner: int, round_index: int, crossing: bool = False) -> str:
-        return message_key(len(self.fragments), learner, round_index, crossing)
+    def _message_key(self, learner: int, round_index: int, kind: str = ROUND) -> str:
+        return message_key(len(self.fragments), learner, round_index, kind)
 
-    def _expected(self, learner: int, round_index: int, crossing: bool = False) -> ExpectedMessage:
-        """What learner `learner`'s message of a round must be, by this learner's own plan."""
+    def _expected(self, learner: int, round_index: int, kind: str = ROUND) -> ExpectedMessage:
+        """What learner `learner`'s message of `kind` of a round must be, by this learner's own plan."""
         fragment = self.fragment_of(round_index)
-        start, end = self.slices[fragment.number][learner] if crossing else (0, int(fragment.index.numel()))
-        return expected_message(self.spec, learner, round_index, end - start, crossing)
+        start, end = self.slices[fragment.number][learner] if kind != ROUND else (0, int(fragment.index.numel()))
+        return expected_message(self.spec, learner, round_index, end - start, kind)

@@ -60,6 +60,7 @@ class ExpectedMessage:
     fields: tuple[str, ...]  # ("anchor", "delta") for butterfly pairs, ("delta",) for means of Δ, ("anchor",) for crossings
     anchor_from_initial: bool  # compressed anchors travel as their difference from the initial weights
     slice_index: int | None = None  # a hierarchical crossing's message: the sender's slice of its island's fragment
+    mixed: bool = False  # a slice's islands' mean, shared inside the island after a crossing
 
     @property
     def max_bytes(self) -> int:
@@ -70,7 +71,11 @@ class ExpectedMessage:
         """What the message's commit says besides its tensors: its sender writes exactly this."""
         meta = {"learner": self.learner, "round": self.round, "fragment": self.fragment, "tokens": self.tokens,
                 "anchor_from_initial": self.anchor_from_initial}
-        return meta if self.slice_index is None else {**meta, "slice": self.slice_index}
+        if self.slice_index is not None:
+            meta["slice"] = self.slice_index
+        if self.mixed:
+            meta["mixed"] = True
+        return meta
 
 
 def _sparsified(name: str) -> bool:

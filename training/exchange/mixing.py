@@ -25,9 +25,11 @@ per fragment. Each round, a learner's pseudo-gradient Δ_i = θ_I − x_i goes t
 its island; each takes the island's token-weighted mean Δ_I and one outer step from θ_I along it, so
 the whole island lands on the same new θ_I: DiLoCo over the island's fast path. In every
 `inter_island_every`-th exchange of a fragment the islands cross right after that step: the island's
-j-th learner carries slice j of its new θ_I (`slice_bounds`) to every other learner, and every learner
-takes the islands' mean anchor (`mean_over_islands`, weighted by the islands' tokens), the same on
-every island. The outer optimizers' states stay each island's own: a crossing moves only the anchors.
+j-th learner carries slice j of its new θ_I (`slice_bounds`) to the other islands' learners whose
+slices overlap it, takes that slice's islands' mean (`mean_over_islands`, weighted by the islands'
+tokens) and shares it with its own island; every learner ends with the islands' mean anchor, the
+same on every island. The outer optimizers' states stay each island's own: a crossing moves only the
+anchors.
 """
 
 from __future__ import annotations
@@ -75,15 +77,19 @@ def slice_bounds(numel: int, parts: int, part: int) -> tuple[int, int]:
     return start, start + size + (part < longer)
 
 
-def mean_over_islands(numel: int, islands: list[tuple[float, list[torch.Tensor | None]]]) -> torch.Tensor:
-    """The hierarchical crossing's mean of a fragment's anchor of `numel` elements. `islands`, in island
-    order: (the island's tokens, its slices in order as `slice_bounds` cuts the fragment into as many
-    parts, each None when it did not arrive). Element by element, the token-weighted mean over the
-    islands whose slice holding it arrived, summed in island order, so every learner that heard the
-    same slices gets the same bits. Islands may cut the fragment into different numbers of slices."""
-    cuts = sorted({0, numel} | {bound for _, parts in islands for part in range(len(parts))
-                                for bound in slice_bounds(numel, len(parts), part)})
-    anchor = torch.empty(numel)
+def mean_over_islands(numel: int, islands: list[tuple[float, list[torch.Tensor | None]]],
+                      span: tuple[int, int] | None = None) -> torch.Tensor:
+    """The hierarchical crossing's mean of a fragment's anchor of `numel` elements, or of its elements
+    `span` (start, end) alone. `islands`, in island order: (the island's tokens, its slices in order as
+    `slice_bounds` cuts the fragment into as many parts, each None when it did not arrive). Element by
+    element, the token-weighted mean over the islands whose slice holding it arrived, summed in island
+    order, so every learner that heard the same slices gets the same bits. Islands may cut the fragment
+    into different numbers of slices."""
+    low_end, high_end = span or (0, numel)
+    cuts = sorted({low_end, high_end} | {bound for _, parts in islands for part in range(len(parts))
+                                         for bound in slice_bounds(numel, len(parts), part)
+                                         if low_end < bound < high_end})
+    anchor = torch.empty(high_end - low_end)
     for low, high in zip(cuts, cuts[1:]):
         present = []
         for tokens, parts in islands:
@@ -93,7 +99,7 @@ def mean_over_islands(numel: int, islands: list[tuple[float, list[torch.Tensor |
                     present.append((values[low - start:high - start], tokens))
         if not present:
             raise ValueError(f"elements {low} to {high} of the fragment: no island's slice holds them")
-        anchor[low:high] = weighted_mean([p[0] for p in present], [p[1] for p in present])
+        anchor[low - low_end:high - low_end] = weighted_mean([p[0] for p in present], [p[1] for p in present])
     return anchor
 
 

@@ -38,7 +38,7 @@ import torch
 
 from infra.model_spec import BUILT_IN
 from infra.spec import IslandSpec, RunSpec, SpecError
-from training.exchange.exchanger import message_codec, residual_fields
+from training.exchange.exchanger import CROSSING, message_codec, residual_fields
 
 GB = 1e9
 FP32 = 4
@@ -268,7 +268,7 @@ def host_bytes(spec: RunSpec, sizes: ModelSizes) -> dict[str, int]:
     vector = FP32 * sizes.parameters
     transport = spec.sync.transport
     # Residuals are kept only where feedback is on and the codec drops something (`ErrorFeedback`).
-    lossy = transport.error_feedback and not message_codec(spec, crossing=True).lossless
+    lossy = transport.error_feedback and not message_codec(spec, CROSSING).lossless
     feedback = len(residual_fields(spec)) * vector if lossy else 0
     anchors_checkpointed = transport.fragments > 1 or transport.tau > 0
     return {"initial weights": vector, "anchors": vector, "outer parameters": vector,

@@ -3,7 +3,8 @@
 Given a run spec, each island's seconds per inner step and the inter-island link's rate, the plan
 replays every round of every learner: its inner steps, the fragment the round exchanges and the
 peers it exchanges with (`training.exchange.fragments`, the sync mode's `peers`; in hierarchical mode,
-in rounds that cross islands, then every other learner's slice), the exact size of each
+in rounds that cross islands, then the other islands' slices of its own slice, then its island's
+mixed slices), the exact size of each
 message (the run's codec encodes a message of the fragment's size), the wait for peers' messages
 and the overlap rule (a round's exchange is applied `tau` inner steps into the next round, the
 last round's at once). Transfers across the link queue on it, one direction at a time, in the
@@ -31,8 +32,8 @@ from infra.store import ObjectRef, json_document
 from training.exchange.fragments import assign_fragments, fragment_of_round
 from training.model.registry import build_model
 from training.planning.windows import Stretch, WindowedClock, windows_plan
-from training.exchange.exchanger import (SYNC_MODES, Hierarchical, crossing_slices, expected_message, message_codec,
-                                         message_key)
+from training.exchange.exchanger import (CROSSING, MIXED, ROUND, SYNC_MODES, Hierarchical, crossing_slices,
+                                         expected_message, message_codec, message_key)
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
 # Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
@@ -59,13 +60,13 @@ def fragment_sizes_of(model: torch.nn.Module, spec: RunSpec) -> list[int]:
     return sizes
 
 
-def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0, crossing: bool = False) -> int:
-    """Bytes a learner reads for one peer's message of a fragment of `numel` elements (`crossing`: a
-    hierarchical crossing's message, of a slice of `numel` elements): the tensors as the message's codec
-    (`message_codec`) encodes them, and the JSON commit that points at them."""
+def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0, kind: str = ROUND) -> int:
+    """Bytes a learner reads for one peer's message of `kind` of a fragment of `numel` elements (a
+    hierarchical crossing's and mixed slice's: of a slice of `numel` elements): the tensors as the
+    message's codec (`message_codec`) encodes them, and the JSON commit that points at them."""
     settings = spec.sync.transport
-    codec = message_codec(spec, crossing)
-    expected = expected_message(spec, learner, round_index, numel, crossing)
+    codec = message_codec(spec, kind)
+    expected = expected_message(spec, learner, round_index, numel, kind)
 
     def tensors(n: int) -> int:
         payload: dict[str, torch.Tensor] = {}
@@ -80,20 +81,30 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
     else:  # too large to encode here: affine in the elements, up to a chunk's padding
         small, large = (tensors(n) for n in _FIT_SIZES)
         nbytes = round(small + (large - small) / (_FIT_SIZES[1] - _FIT_SIZES[0]) * (numel - _FIT_SIZES[0]))
-    key = message_key(settings.fragments, learner, round_index, crossing)
+    key = message_key(settings.fragments, learner, round_index, kind)
     commit = {"tensors": ObjectRef(f"{key}.safetensors", "0" * 64, nbytes).to_json(), **expected.metadata()}
     signature = None if spec.signing is None else placeholder_signature(spec.learners[learner].island.name)
     return nbytes + len(json_document(commit, signature=signature))
 
 
-def crossing_message_bytes(spec: RunSpec, sizes: list[int]) -> list[list[int]]:
-    """Per fragment (of `sizes` elements), per learner: the bytes of its crossing's message in
-    hierarchical mode (its slice of its island's fragment); none in the other modes."""
-    if spec.sync.mode != "hierarchical":
-        return []
-    return [[message_bytes(spec, end - start, learner, round_index=fragment, crossing=True)
-             for learner, (start, end) in enumerate(slices)]
-            for fragment, slices in enumerate(crossing_slices(spec, sizes))]
+@dataclass(frozen=True)
+class Crossings:
+    """Per fragment, per learner, in hierarchical mode: the slice of the fragment it carries across
+    islands, and the bytes of its crossing's message and of its mixed slice's."""
+
+    slices: list[list[tuple[int, int]]]
+    crossing_bytes: list[list[int]]
+    mixed_bytes: list[list[int]]
+
+    @classmethod
+    def of(cls, spec: RunSpec, sizes: list[int]) -> "Crossings | None":
+        """The crossings of a run whose fragments have `sizes` elements; None outside hierarchical mode."""
+        if spec.sync.mode != "hierarchical":
+            return None
+        slices = crossing_slices(spec, sizes)
+        return cls(slices, *([[message_bytes(spec, end - start, learner, round_index=fragment, kind=kind)
+                               for learner, (start, end) in enumerate(bounds)]
+                              for fragment, bounds in enumerate(slices)] for kind in (CROSSING, MIXED)))
 
 
 def message_requests(spec: RunSpec, nbytes: int) -> int:
@@ -122,7 +133,7 @@ class LearnerPlan:
 
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
            sizes_bytes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None,
-           crossing_bytes: list[list[int]] | None = None) -> list[LearnerPlan]:
+           crossings: Crossings | None = None) -> list[LearnerPlan]:
     """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
     windows, each computes only inside its island's (`training.planning.windows`)."""
     slots = spec.learners
@@ -130,16 +141,18 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
     links_of = [["intra" if p.island.name == s.island.name else "inter" for p in slots] for s in slots]
     sizes_bytes = sizes_bytes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
     if isinstance(mode, Hierarchical):
-        crossing_bytes = crossing_bytes or crossing_message_bytes(spec, fragment_sizes(spec))
+        crossings = crossings or Crossings.of(spec, fragment_sizes(spec))
     plans = [LearnerPlan(s.index, s.island.name) for s in slots]
     windows = [WindowedClock(spec, plan) for plan in plans]
     clock = [0.0] * len(slots)
     pending: list[float | None] = [None] * len(slots)  # when the previous round's exchange is complete
     busy_until: dict[tuple[str, str], float] = {}  # the link, each direction
 
-    def read(ready: list[float], published: list[float], sources: list[list[int]], size_of: list[int]) -> None:
-        """Each learner writes its message (`size_of[learner]` bytes, committed at `published`) and reads its
-        sources', one after another from when it is `ready`; the link carries one transfer a direction at a time."""
+    def read(ready: list[float], published: list[float], sources: list[list[int]], size_of: list[int],
+             writes: list[bool] | None = None) -> None:
+        """Each learner writes its message (`size_of[learner]` bytes, committed at `published`; where
+        `writes` says so) and reads its sources', one after another from when it is `ready`; the link
+        carries one transfer a direction at a time."""
         transfers = sorted(((published[me], me, peer) for me in range(len(slots)) for peer in sources[me]),
                            key=lambda item: (max(item[0], published[item[2]]), item[1]))
         for _, me, peer in transfers:
@@ -156,8 +169,9 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             plans[me].requests += message_requests(spec, nbytes) - 1
             plans[me].polls += 1
         for plan in plans:
-            plan.bytes_written += size_of[plan.learner]
-            plan.requests += message_requests(spec, size_of[plan.learner])
+            if writes is None or writes[plan.learner]:
+                plan.bytes_written += size_of[plan.learner]
+                plan.requests += message_requests(spec, size_of[plan.learner])
 
     for t in range(spec.sync.rounds):
         sent = []
@@ -173,12 +187,16 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             sent.append(clock[s.index])
         fragment = fragment_of_round(t, settings.fragments)
         ready = list(sent)
-        read(ready, sent, [mode.peers(s.index, t, settings.fragments, links_of[s.index], spec.sync.inter_island_every)
-                           for s in slots], [sizes_bytes[fragment]] * len(slots))
+        peers = [mode.peers(s.index, t, settings.fragments, links_of[s.index], spec.sync.inter_island_every)
+                 for s in slots]
+        read(ready, sent, peers, [sizes_bytes[fragment]] * len(slots))
         if isinstance(mode, Hierarchical) and mode.crosses(t, settings.fragments, spec.sync.inter_island_every):
-            # Each learner commits its slice once its island's mean is taken, then reads every other one.
-            read(ready, list(ready), [mode.crossing_sources(s.index, links_of[s.index]) for s in slots],
-                 crossing_bytes[fragment])
+            # Each learner commits its slice once its island's mean is taken and reads the other islands'
+            # of the same elements; then commits the slice's mix, if its island has others to read it.
+            slices = crossings.slices[fragment]
+            read(ready, list(ready), [mode.crossing_sources(s.index, links_of[s.index], slices) for s in slots],
+                 crossings.crossing_bytes[fragment])
+            read(ready, list(ready), peers, crossings.mixed_bytes[fragment], writes=[bool(p) for p in peers])
         for s, plan in zip(slots, plans):
             if settings.tau == 0 or t == spec.sync.rounds - 1:
                 wait = max(0.0, ready[s.index] - clock[s.index])
@@ -203,16 +221,16 @@ def steady_utilisation(plans: list[LearnerPlan]) -> float:
 
 def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float,
                   sizes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None,
-                  crossing_bytes: list[list[int]] | None = None) -> float | None:
+                  crossings: Crossings | None = None) -> float | None:
     """The slowest link (bit/s) at which the run keeps `goal` utilisation; None when even an
     unlimited link does not (the islands wait on each other's compute, or on their own rounds'
-    overhead). `sizes`: each fragment's message bytes, and `crossing_bytes` each crossing's
-    (`crossing_message_bytes`), when the caller has them."""
+    overhead). `sizes`: each fragment's message bytes, and `crossings` the crossings' (`Crossings.of`),
+    when the caller has them."""
     sizes = sizes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
-    crossing_bytes = crossing_bytes or crossing_message_bytes(spec, fragment_sizes(spec))
+    crossings = crossings or Crossings.of(spec, fragment_sizes(spec))
 
     def utilisation(link_bps: float) -> float:
-        return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossing_bytes))
+        return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossings))
 
     if utilisation(1e18) < goal:
         return None
@@ -234,8 +252,8 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
         raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
     fragments = fragment_sizes(spec)
     sizes = [message_bytes(spec, n) for n in fragments]
-    crossing_bytes = crossing_message_bytes(spec, fragments)
-    plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossing_bytes)
+    crossings = Crossings.of(spec, fragments)
+    plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossings)
     islands = {}
     for island in spec.islands:
         mine = [p for p in plans if p.island == island.name]
@@ -258,7 +276,7 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
         "overheads": {"startup_s": startup_s, "round_overhead_s": round_overhead_s or {}, "teardown_s": teardown_s},
         "windows": windows_plan(spec, plans),
         "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes, round_overhead_s,
-                                                                   crossing_bytes)
+                                                                   crossings)
                                       for goal in UTILISATION_GOALS},
     }
 
