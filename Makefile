@@ -16,8 +16,10 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/archipelago run configs/demo.yaml --report reports/demo.json
 
+# Two workers, a test file each at a time (module fixtures stay whole): most tests wait on servers and
+# learner processes, so two of them share 2 cores in about half the time one takes alone.
 test: setup browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 # The browser test renders the Prefect UI in Debian's headless Chromium; install it when missing.
 browser:

@@ -96,6 +96,11 @@ DIAGNOSTICS = {
 }
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
+BYTES_GOAL = 100  # at least 100x fewer inter-island bytes than per-step all-reduce, counted
+# The islands recipe across a shaped link beside per-step all-reduce (`python -m bench.shaped_link
+# --standard configs/brief.yaml --butterfly configs/brief-hierarchical.yaml --arms standard,butterfly
+# --repeats 1 --dp-utilisation 0.15 --out bench/results/brief/shaped_link_hierarchical.json`).
+SHAPED_LINK = Path("bench/results/brief/shaped_link_hierarchical.json")
 
 
 @functools.cache
@@ -382,6 +387,23 @@ def diagnostics(chosen: Plan, results: dict[str, dict]) -> dict:
     return out
 
 
+def communication(chosen: Plan, results: dict[str, dict]) -> dict:
+    """The islands' inter-island bytes as their learners counted them (each seed's chosen arm that has
+    run) against per-step all-reduce of the same steps; and the recipe across the shaped link, when
+    that result file is there."""
+    counted = [{"seed": seed, "commit": result["commit"], **result["communication"]}
+               for seed in SEEDS if (arm := chosen.chosen("islands", seed)) and (result := results.get(arm.name))]
+    out: dict = {"counted": counted, "goal": BYTES_GOAL}
+    if SHAPED_LINK.exists():
+        shaped = json.loads(SHAPED_LINK.read_text())
+        out["shaped_link"] = {"commit": shaped["commit"], "rate_bps": shaped["link"]["rate_bps"],
+                              "utilisation": statistics.median(shaped["arms"]["butterfly"]["utilisation"]),
+                              "standard_utilisation": statistics.median(shaped["arms"]["standard"]["utilisation"]),
+                              "bytes_reduction_counted": shaped["targets"]["butterfly_bytes_reduction_counted"],
+                              "time_to_quality_ratio": shaped["targets"]["time_to_quality"]["ratio"]}
+    return out
+
+
 def summary(results: dict[str, dict]) -> dict:
     chosen = plan(results)
     runs = {name: [results.get(arm.name) if (arm := chosen.chosen(kind, seed)) else None for seed in SEEDS]
@@ -398,7 +420,8 @@ def summary(results: dict[str, dict]) -> dict:
                                           "global_batch": arm.batch or recipe_batch()}
                            for name, arm in (("c", chosen.c), ("islands", chosen.islands))},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
-           "diagnostics": diagnostics(chosen, results), "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
+           "diagnostics": diagnostics(chosen, results), "communication": communication(chosen, results),
+           "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
     for evaluation in (any_result["bpb"] if any_result else {}):
         entry = {k: [r["bpb"][evaluation] for r in v] for k, v in complete.items()}
         if "b" in complete and "islands" in complete:
@@ -487,6 +510,20 @@ def page(table: dict, results: dict[str, dict]) -> str:
         lines += [f"| {d['change']} | {d['validation']:.4f} | {d['relative_to_islands']:+.2%} |"
                   for d in table["diagnostics"].values()]
         lines.append("")
+    bytes_ = table["communication"]
+    if bytes_["counted"]:
+        lines += ["Inter-island bytes, counted by the islands' learners against per-step all-reduce of the same "
+                  f"steps (goal: at least {bytes_['goal']}x fewer): " + "; ".join(
+                      f"seed {c['seed']} (commit {c['commit']}) {c['inter_island_bytes'] / 1e6:.1f} MB against "
+                      f"{c['allreduce_equivalent_bytes'] / 1e9:.2f} GB, {c['inter_island_reduction']:.0f}x fewer"
+                      for c in bytes_["counted"]) + ".", ""]
+    if "shaped_link" in bytes_:
+        link = bytes_["shaped_link"]
+        lines += [f"Across a shaped link ({link['rate_bps'] / 1e6:.1f} Mbit/s, the recipe's 150 rounds, one run at commit "
+                  f"{link['commit']}, [brief-shaped-link-hierarchical.md](brief-shaped-link-hierarchical.md)): "
+                  f"utilisation {link['utilisation']:.1%} against per-step all-reduce's {link['standard_utilisation']:.1%}, "
+                  f"{link['bytes_reduction_counted']:.0f}x fewer inter-island bytes counted, per-step all-reduce's final "
+                  f"held-out bpb in {link['time_to_quality_ratio']:.2f}x its wall time.", ""]
     lines += [f"Goal: the islands at least {-GOAL:.0%} below (b) on every evaluation (mean of 3 seeds, interval below "
               f"zero) and within {TOKEN_RATIO_GOAL}x of (c) in standard training's tokens.", "",
               "## Sweeps (seed 0, validation split)", "",

@@ -70,7 +70,10 @@ def scored(arm, best_batch: int) -> dict:
             "outer_lr": arm.outer_lr, "outer_optimizer": arm.outer_optimizer, "stable": arm.stable, "tokens": 8.9e6, "train_seconds": 1.0, "heldout_curve": curve,
             "bpb": {"code": value, "prose": value + 0.1}, "validation_bpb": {"code": value, "prose": value},
             "heldout_documents": {e: {"ids": [1, 2, 3], "bits": [value * 8, value * 9, value * 10], "bytes": [8, 9, 10]}
-                                  for e in ("code", "prose")}}
+                                  for e in ("code", "prose")},
+            "commit": "0123abc", "date": "2026-12-06",
+            **({"communication": {"inter_island_bytes": 2.3e7, "allreduce_equivalent_bytes": 2.5e10,
+                                  "inter_island_reduction": 2.5e10 / 2.3e7}} if arm.kind == "islands" else {})}
 
 
 @pytest.mark.parametrize("best_batch", [24, 6])
@@ -104,6 +107,7 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
     assert len(entry["islands"]) == len(SEEDS) and table["tokens_per_active_parameter"] == TOKENS_PER_ACTIVE_PARAMETER
     assert set(table["diagnostics"]) == set(DIAGNOSTICS) - {"nesterov"}
+    assert [c["seed"] for c in table["communication"]["counted"]] == list(SEEDS)
     figure(results, chosen, tmp_path / "sweeps.png")
     assert (tmp_path / "sweeps.png").stat().st_size > 10_000
 
