@@ -337,7 +337,8 @@ def plan(results: dict[str, dict]) -> Plan:
                     todo.append(stable)
         return todo + [arm for seed in SEEDS for kind in kinds if (arm := out.chosen(kind, seed))]
 
-    out.todo += tuned(("standard", "islands", "butterfly_today"))
+    # The headline's pair on every seed before today's butterfly, the reference it is read beside.
+    out.todo += tuned(("standard", "islands")) + tuned(("butterfly_today",))
     if (islands := out.chosen("islands", SWEEP_SEED)) is not None:
         out.todo += [replace(islands, diagnostic=name) for name in DIAGNOSTICS
                      if name != "nesterov" or islands.outer_optimizer is None]
