@@ -564,17 +564,16 @@ class Exchanger:
                                   [(sum(self.spec.learners[m].tokens_per_round() for m in members),
                                     [heard.get(m) for m in members]) for members in islands_of(self.spec)],
                                   span=slices[me])
-        crossed = anchor.clone()
         peers = self._peers(round_index)
-        if not peers:  # an island of one: no one to share the mix with
-            crossed[slices[me][0]:slices[me][1]] = mixed
-            return crossed
-        # A previous life of this learner may have shared a different mix: its island holds that one.
-        shared = self._commit(round_index, self._message_key(me, round_index, MIXED), "intra", {"anchor": mixed},
-                              self._slice_positions(fragment, me), self._expected(me, round_index, MIXED),
-                              self.round_codec)
-        result.bytes_sent += shared.bytes_written
-        crossed[slices[me][0]:slices[me][1]] = shared.sent["anchor"]
+        if peers:  # an island of one has no one to share the mix with
+            # A previous life of this learner may have shared a different mix: its island holds that one.
+            shared = self._commit(round_index, self._message_key(me, round_index, MIXED), "intra",
+                                  {"anchor": mixed}, self._slice_positions(fragment, me),
+                                  self._expected(me, round_index, MIXED), self.round_codec)
+            result.bytes_sent += shared.bytes_written
+            mixed = shared.sent["anchor"]
+        crossed = anchor.clone()
+        crossed[slices[me][0]:slices[me][1]] = mixed
         deadline = None if allowed is None else time.monotonic() + allowed
         for peer in peers:
             receipt = self._receive(peer, round_index, self._message_key(peer, round_index, MIXED),
