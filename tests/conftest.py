@@ -123,3 +123,24 @@ def two_learner_run(tmp_path):
         return spec, store
 
     return prepare
+
+
+@pytest.fixture
+def installed_model(tmp_path, monkeypatch):
+    """A package installed beside the tests that registers a model under `archipelago.models`."""
+    site = tmp_path / "site"
+    (site / "tiny_models").mkdir(parents=True)
+    (site / "tiny_models" / "__init__.py").write_text(
+        "from training.model.gpt import ByteGPT, GPTConfig\n\n"
+        "def build(options, vocab_size, max_seq_len):\n"
+        "    return ByteGPT(GPTConfig(layers=options['layers'], width=16, heads=2, max_seq_len=max_seq_len,\n"
+        "                             vocab=vocab_size))\n\n"
+        "def build_broken(options, vocab_size, max_seq_len):\n"
+        "    import torch\n"
+        "    return torch.nn.Linear(2, 2)\n")
+    dist = site / "tiny_models-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tiny-models\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[archipelago.models]\ntiny = tiny_models:build\n"
+                                           "broken = tiny_models:build_broken\n")
+    monkeypatch.syspath_prepend(str(site))

@@ -12,7 +12,6 @@ from flows.cli import main
 from infra.spec import parse_spec
 from training.model.inner import forward_precision
 from training.model.registry import build_model
-from tests.test_models import installed_model  # noqa: F401 - a fixture
 from training.planning.memory import (GB, MemoryRefused, activation_bytes, check_fits, host_bytes,
                                       layer_activation_bytes_per_token, memory_plan, model_shape, model_sizes,
                                       rank_memory)
