@@ -76,16 +76,20 @@ def scored(arm, best_batch: int) -> dict:
                                   "inter_island_reduction": 2.5e10 / 2.3e7}} if arm.kind == "islands" else {})}
 
 
-@pytest.mark.parametrize("best_batch", [24, 6])
+@pytest.mark.parametrize("best_batch", [24, 6, 3])
 def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batch, tmp_path):
     results = {}
     for _ in range(300):
-        todo = plan(results).todo
-        if not todo:
+        now = plan(results)
+        if not now.todo:
             break
-        results[todo[0].name] = scored(todo[0], best_batch)
+        swept = [r for r in results.values() if r["kind"] == "standard" and r["seed"] == 0 and not r["stable"]]
+        if swept and not now.b_final:  # (b) so far: its best finished arm
+            best = min(swept, key=lambda r: r["validation_bpb"]["code"])
+            assert now.b == (best["global_batch"], best["lr"])
+        results[now.todo[0].name] = scored(now.todo[0], best_batch)
     chosen = plan(results)
-    assert not chosen.todo
+    assert not chosen.todo and chosen.b_final
     batches = sorted({r["global_batch"] for r in results.values() if r["kind"] == "standard"})
     assert chosen.b[0] == best_batch  # the batch grew past the first grid's edge to reach 6
     assert batches[-1] > chosen.b[0] and (batches[0] < chosen.b[0] or chosen.b[0] == BATCH_LIMITS[0])
