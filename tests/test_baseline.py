@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 
+import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,7 +15,8 @@ import torch.multiprocessing as mp
 from infra import layout
 from infra.derived import read_derived
 from infra.store import ObjectStore
-from training.baseline import DataParallelRank, all_reduce_gradients, train_baseline
+from infra.spec import parse_spec
+from training.baseline import BaselinePlan, DataParallelRank, all_reduce_gradients, train_baseline
 from training.model.registry import build_model
 from training.model.params import flat_parameters
 
@@ -52,3 +55,29 @@ def test_two_ranks_summing_gradients_train_the_single_process_baseline(two_learn
     # The same sum in another order: equal up to float rounding, and far from the initial weights.
     assert torch.allclose(weights["weights"], reference["weights"], atol=1e-6, rtol=1e-5)
     assert not torch.allclose(weights["weights"], flat_parameters(build_model(spec)), atol=1e-4)
+
+
+@pytest.mark.parametrize("global_batch", [3, 5, 12, 19])
+def test_every_step_holds_the_global_batch_drawn_from_the_shards_in_proportion(global_batch):
+    """Fewer rows a step than shards, or a batch the shards do not divide, still gives every step the
+    global batch (the last what remains) and every shard exactly its learner's rows."""
+    spec = parse_spec({
+        "name": "plan", "seed": 0,
+        "islands": [{"name": "east", "learners": 3, "batch_size": 4, "seq_len": 16, "inner_steps": 3},
+                    {"name": "west", "learners": 2, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
+        "model": {"layers": 1, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]},
+        "sync": {"mode": "allreduce", "rounds": 7},
+        "baseline": {"global_batch": global_batch},
+    })
+    plan = BaselinePlan.of(spec)
+    rows = np.array([plan.step_rows(step) for step in range(plan.steps)])
+    total = sum(plan.planned_rows)
+    assert rows.sum(axis=1)[:-1].tolist() == [global_batch] * (plan.steps - 1)
+    assert rows.sum(axis=1)[-1] == total - global_batch * (plan.steps - 1)
+    assert rows.sum(axis=0).tolist() == plan.planned_rows
+    # At every step so far each shard has given its share of the rows taken, to within a row.
+    taken = np.cumsum(rows, axis=0)
+    share = np.outer(taken.sum(axis=1), plan.planned_rows) / total
+    assert np.abs(taken - share).max() <= 1
+    assert plan.step_tokens(0) == [r * 16 for r in plan.step_rows(0)]

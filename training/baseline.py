@@ -3,15 +3,18 @@
 Synchronous data parallelism with a gradient all-reduce after every step computes exactly the
 gradient of the global batch; we run it as one optimizer over that global batch (the sum of the
 learners' batches), drawn from the same shards. Equal compute is exact: each shard contributes
-precisely the rows its learner trained on, spread evenly over the baseline's steps.
+precisely the rows its learner trained on, spread evenly over the baseline's steps, and every step
+holds the global batch.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -26,14 +29,9 @@ from training.model.params import flat_parameters, unflatten_into
 from training.model.schedule import learning_rate, snapshot_steps
 
 
-def rows_at_step(step: int, steps: int, rows: int) -> int:
-    """Rows a shard contributes at `step` when `rows` are spread evenly over `steps` steps."""
-    return (step + 1) * rows // steps - step * rows // steps
-
-
 @dataclass(frozen=True)
 class BaselinePlan:
-    """How the baseline spreads each shard's planned rows over its steps of one global batch."""
+    """Which rows of each shard the baseline trains at each of its steps of one global batch."""
 
     slots: list
     planned_rows: list[int]
@@ -47,9 +45,27 @@ class BaselinePlan:
         global_batch = spec.baseline.global_batch or sum(slot.island.batch_size for slot in slots)
         return cls(slots, planned_rows, global_batch, -(-sum(planned_rows) // global_batch))
 
+    @functools.cached_property
+    def _rows_before(self) -> np.ndarray:
+        """Rows of each shard (columns) taken before each step (rows; the last: after the last step).
+        The shards' rows are interleaved, each shard's spread evenly along one sequence (its k-th row at
+        (k + 1/2) / its rows of the way), and step s takes the sequence's rows s*B to (s+1)*B: every
+        step holds the global batch B (the last what remains), drawn from the shards in proportion,
+        however B compares with the number of shards."""
+        shard = np.concatenate([np.full(rows, i) for i, rows in enumerate(self.planned_rows)])
+        where = np.concatenate([(np.arange(rows) + 0.5) / rows for rows in self.planned_rows])
+        sequence = shard[np.lexsort((shard, where))]
+        taken = np.zeros((len(sequence) + 1, len(self.planned_rows)), dtype=np.int64)
+        taken[np.arange(1, len(sequence) + 1), sequence] = 1
+        ends = np.minimum(np.arange(self.steps + 1) * self.global_batch, len(sequence))
+        return np.cumsum(taken, axis=0)[ends]
+
+    def step_rows(self, step: int) -> list[int]:
+        """Rows each shard contributes at `step`."""
+        return (self._rows_before[step + 1] - self._rows_before[step]).tolist()
+
     def step_tokens(self, step: int) -> list[int]:
-        return [rows_at_step(step, self.steps, rows) * slot.island.seq_len
-                for rows, slot in zip(self.planned_rows, self.slots)]
+        return [rows * slot.island.seq_len for rows, slot in zip(self.step_rows(step), self.slots)]
 
 
 def shard_samplers(spec: RunSpec, store, learners: list[int], reader: str | None = None) -> dict[int, WindowSampler]:
@@ -68,14 +84,14 @@ def accumulate_gradients(model, plan: BaselinePlan, samplers: dict[int, WindowSa
     """Backward the step's rows of the shards in `samplers`, each weighted by its share of the whole
     global batch; so gradients accumulated by several processes over disjoint shards sum to the
     global batch's gradient. Returns (this part's loss contribution, the global batch's tokens)."""
-    step_tokens = plan.step_tokens(step)
+    rows, step_tokens = plan.step_rows(step), plan.step_tokens(step)
     total = sum(step_tokens)
     loss_sum = 0.0
     for index, sampler in samplers.items():
         n = step_tokens[index]
         if n == 0:
             continue
-        inputs, targets = sampler.batch(rows_at_step(step, plan.steps, plan.planned_rows[index]))
+        inputs, targets = sampler.batch(rows[index])
         loss = model.loss(inputs.to(device), targets.to(device)) * (n / total)  # token-weighted, as one global batch
         loss.backward()
         loss_sum += loss.item()
