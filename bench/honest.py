@@ -259,6 +259,11 @@ class Plan:
         return replace(arm, stable=self.stable[kind]) if kind in self.stable else None
 
 
+def standard_sweep(results: dict[str, dict]) -> list[dict]:
+    """(b)'s sweep arms that have finished: seed 0, without QK-LayerNorm and z-loss."""
+    return [r for r in results.values() if r["kind"] == "standard" and r["seed"] == SWEEP_SEED and not r.get("stable")]
+
+
 def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float] | None, bool]:
     """Standard training's batch and learning rate, from FIRST_BATCH and FIRST_LEARNING_RATES. Returns the
     arms still to run, (batch, learning rate), and whether the sweep is finished: until it is, the best
@@ -268,8 +273,7 @@ def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float
         FIRST_BATCH, FIRST_LEARNING_RATES, BATCH_LIMITS)
     if chosen is not None:
         return todo, chosen, True
-    swept = [r for r in results.values() if r["kind"] == "standard" and r["seed"] == SWEEP_SEED and not r.get("stable")]
-    best = min(swept, key=quality.validation_score, default=None)
+    best = min(standard_sweep(results), key=quality.validation_score, default=None)
     return todo, best and (best["global_batch"], best["lr"]), False
 
 
@@ -460,7 +464,7 @@ def figure(results: dict[str, dict], chosen: Plan, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    sweep = [r for r in results.values() if r["kind"] == "standard" and r["seed"] == SWEEP_SEED and not r.get("stable")]
+    sweep = standard_sweep(results)
     for i, batch in enumerate(sorted({r["global_batch"] for r in sweep})):
         points = sorted((r["lr"], quality.validation_score(r)) for r in sweep if r["global_batch"] == batch)
         ax.plot(*zip(*points), "o-", color=f"C{i}", label=f"(b) standard, batch {batch}")

@@ -55,10 +55,11 @@ class BaselinePlan:
         shard = np.concatenate([np.full(rows, i) for i, rows in enumerate(self.planned_rows)])
         where = np.concatenate([(np.arange(rows) + 0.5) / rows for rows in self.planned_rows])
         sequence = shard[np.lexsort((shard, where))]
-        taken = np.zeros((len(sequence) + 1, len(self.planned_rows)), dtype=np.int64)
-        taken[np.arange(1, len(sequence) + 1), sequence] = 1
         ends = np.minimum(np.arange(self.steps + 1) * self.global_batch, len(sequence))
-        return np.cumsum(taken, axis=0)[ends]
+        # Per shard, how many of its places in the sequence lie before each step's end: memory in the
+        # rows plus steps x shards, never rows x shards.
+        return np.stack([np.searchsorted(np.flatnonzero(sequence == i), ends)
+                         for i in range(len(self.planned_rows))], axis=1)
 
     def step_rows(self, step: int) -> list[int]:
         """Rows each shard contributes at `step`."""
