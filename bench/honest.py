@@ -403,6 +403,42 @@ def diagnostics(chosen: Plan, results: dict[str, dict]) -> dict:
     return out
 
 
+def gap_steps(chosen: Plan, results: dict[str, dict]) -> list[dict]:
+    """The islands' gap to (b) taken apart into measured steps (seed 0, validation split, the sweeps' arms,
+    without QK-LayerNorm and z-loss): standard training from its best batch to the islands' global batch,
+    then to the islands at that batch; and, once (c) is chosen, standard training at (c)'s batch to (c),
+    and (c) to the islands: what one learner's rounds cost, and what the other seven and the exchange add."""
+    sweep = standard_sweep(results)
+    if not sweep:
+        return []
+
+    def standard_at(batch: int) -> dict | None:
+        return min((r for r in sweep if r["global_batch"] == batch), key=quality.validation_score, default=None)
+
+    def step(what_from: str, start: dict | None, what_to: str, end: dict | None) -> list[dict]:
+        if start is None or end is None or start is end:
+            return []
+        before, after = quality.validation_score(start), quality.validation_score(end)
+        return [{"from": what_from, "from_arm": start["arm"], "to": what_to, "to_arm": end["arm"],
+                 "from_validation": before, "to_validation": after, "change": after / before - 1}]
+
+    best = min(sweep, key=quality.validation_score)
+    steps = []
+    islands = chosen.islands and results.get(chosen.islands.name)
+    single = chosen.c and results.get(chosen.c.name)
+    if islands is not None:
+        batch = chosen.islands.batch or recipe_batch()
+        steps += step(f"standard training at its best batch, {best['global_batch']}", best,
+                      f"standard training at the islands' global batch, {batch}", standard_at(batch))
+        steps += step(f"standard training at batch {batch}", standard_at(batch), "the islands, 8 learners", islands)
+    if single is not None:
+        batch = chosen.c.batch or recipe_batch()
+        steps += step(f"standard training at batch {batch}", standard_at(batch),
+                      "(c), one learner with the learners' rounds and outer step", single)
+        steps += step("(c), one learner", single, "the islands, 8 learners", islands)
+    return steps
+
+
 def communication(chosen: Plan, results: dict[str, dict]) -> dict:
     """The islands' inter-island bytes as their learners counted them (each seed's chosen arm that has
     run) against per-step all-reduce of the same steps; and the recipe across the shaped link, when
@@ -436,7 +472,8 @@ def summary(results: dict[str, dict]) -> dict:
                                           "global_batch": arm.batch or recipe_batch()}
                            for name, arm in (("c", chosen.c), ("islands", chosen.islands))},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
-           "diagnostics": diagnostics(chosen, results), "communication": communication(chosen, results),
+           "gap_steps": gap_steps(chosen, results), "diagnostics": diagnostics(chosen, results),
+           "communication": communication(chosen, results),
            "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
     for evaluation in (any_result["bpb"] if any_result else {}):
         entry = {k: [r["bpb"][evaluation] for r in v] for k, v in complete.items()}
@@ -521,9 +558,16 @@ def page(table: dict, results: dict[str, dict]) -> str:
                      + (" (extrapolated)" if entry["token_ratio_extrapolated"] else "")) if "token_ratio_to_c" in entry else "-"
             lines.append(f"| {evaluation} | " + " | ".join(cells) + f" | {relative} | {interval} | {ratio} |")
         lines.append("")
+    if table["gap_steps"] or table["diagnostics"]:
+        lines += ["## What binds (seed 0, validation split)", ""]
+    if table["gap_steps"]:
+        lines += ["The gap to (b), one measured step at a time (the sweeps' arms, without QK-LayerNorm and z-loss):", "",
+                  "| from | to | validation bpb | change |", "|---|---|---|---|"]
+        lines += [f"| {s['from']} | {s['to']} | {s['from_validation']:.4f} to {s['to_validation']:.4f} | {s['change']:+.2%} |"
+                  for s in table["gap_steps"]]
+        lines.append("")
     if table["diagnostics"]:
-        lines += ["## What binds (seed 0, validation split)", "",
-                  "The islands' chosen arm with one change each; a negative change is a gain.", "",
+        lines += ["The islands' chosen arm with one change each; a negative change is a gain.", "",
                   "| change | validation bpb | against the islands |", "|---|---|---|"]
         lines += [f"| {d['change']} | {d['validation']:.4f} | {d['relative_to_islands']:+.2%} |"
                   for d in table["diagnostics"].values()]

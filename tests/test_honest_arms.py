@@ -111,6 +111,16 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
     assert len(entry["islands"]) == len(SEEDS) and table["tokens_per_active_parameter"] == TOKENS_PER_ACTIVE_PARAMETER
     assert set(table["diagnostics"]) == set(DIAGNOSTICS) - {"nesterov"}
+    # The gap taken apart: (b)'s best to standard training at the islands' batch (24) to the islands, and
+    # through (c) where standard training ran at (c)'s batch (the recipe's 48).
+    steps = {(s["from_arm"], s["to_arm"]): s["change"] for s in table["gap_steps"]}
+    best_b, islands_arm = f"b-b{best_batch}-lr{chosen.b[1]:g}-s0", chosen.islands.name
+    b24 = min((r for r in results.values() if r["kind"] == "standard" and r["global_batch"] == 24 and r["seed"] == 0
+               and not r["stable"]), key=lambda r: r["validation_bpb"]["code"])["arm"]
+    assert ((best_b, b24) in steps) == (best_batch != 24)  # no step where (b) already trains at 24
+    assert (b24, islands_arm) in steps and (chosen.c.name, islands_arm) in steps
+    score = {r["arm"]: r["validation_bpb"]["code"] for r in results.values()}
+    assert all(change == pytest.approx(score[to] / score[start] - 1) for (start, to), change in steps.items())
     assert [c["seed"] for c in table["communication"]["counted"]] == list(SEEDS)
     figure(results, chosen, tmp_path / "sweeps.png")
     assert (tmp_path / "sweeps.png").stat().st_size > 10_000
