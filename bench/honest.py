@@ -13,8 +13,10 @@ same held-out documents, with the bits kept per document for a paired bootstrap.
   then its global batch;
 - `islands`: configs/brief-hierarchical.yaml (DiLoCo inside each island on exact means, crossings
   between them): its outer optimizer chosen, its outer learning rate swept, then its inner learning
-  rate, its outer momentum, then its global batch (rows per inner step, inner steps per round scaled
-  inversely);
+  rate, its outer momentum, its global batch (rows per inner step, inner steps per round scaled
+  inversely), then how often the islands cross, down to the most frequent crossing that still moves
+  at least 100x fewer inter-island bytes than per-step all-reduce (the bytes goal is a constraint, the
+  validation score the objective);
 - `butterfly_today`: configs/brief.yaml as it is, untuned.
 
 Once the headline has its seeds, the islands' chosen arm runs again (seed 0) with one part of the
@@ -54,8 +56,11 @@ from bench import quality
 from bench.brief import merged, one_learner
 from bench.harness import Log, load_arms, resumable_main, run_arms
 from bench.results_page import recorded, write_results_page
+from eval.report import allreduce_equivalent
 from infra.spec import RunSpec, parse_spec
+from training.baseline import BaselinePlan
 from training.model.registry import build_model
+from training.planning.planner import plan_run
 
 RESULTS = Path("bench/results/honest")
 CPU_LOCK = Path("/work/cpu.lock")
@@ -87,14 +92,19 @@ CURVE_POINTS = 10
 # Each tuned kind is tried once more at its chosen settings with these (seed 0, validation split), and
 # keeps them where they help: the published work trained with both.
 STABILITY = {"qk_norm": True, "z_loss_weight": 1e-4}
-# One change each to the islands' chosen arm: what binds is what its removal gains.
+# One change each to the islands' chosen arm, as overrides of its raw spec: what binds is what its
+# removal gains.
 DIAGNOSTICS = {
-    "cross-every": ("islands cross at every exchange, not every 15th", {"sync": {"inter_island_every": 1}}),
-    "whole": ("the whole model every round, applied at once (1 fragment, tau 0; crossings every 30 rounds still)",
-              {"sync": {"inter_island_every": 30, "transport": {"fragments": 1, "tau": 0}}}),
-    "fp32": ("crossings in fp32, not int4", {"sync": {"transport": {"compression": "none"}}}),
+    "cross-every": ("islands cross at every exchange", lambda raw: {"sync": {"inter_island_every": 1}}),
+    # As many rounds between a fragment's crossings as before: every one of the F fragments' crossings
+    # came every `inter_island_every` of its exchanges, one exchange in F rounds.
+    "whole": ("the whole model every round, applied at once (1 fragment, tau 0; crossings as many rounds apart)",
+              lambda raw: {"sync": {"inter_island_every": raw["sync"]["inter_island_every"] * raw["sync"]["transport"]["fragments"],
+                                    "transport": {"fragments": 1, "tau": 0}}}),
+    "fp32": ("crossings in fp32, not int4", lambda raw: {"sync": {"transport": {"compression": "none"}}}),
     # Only where the sweep chose Shampoo (the recipe's outer optimizer): the tuned Nesterov control.
-    "nesterov": ("Nesterov's direction, not Shampoo's (same rate and momentum)", {"sync": {"outer": {"name": "nesterov"}}}),
+    "nesterov": ("Nesterov's direction, not Shampoo's (same rate and momentum)",
+                 lambda raw: {"sync": {"outer": {"name": "nesterov"}}}),
 }
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
@@ -174,7 +184,7 @@ class HonestArm:
     recipe's); `stable`: the model with QK-LayerNorm and z-loss
     (`STABILITY`); `batch`: standard training's global batch, or the islands' rows per inner step over all
     learners (None: the recipe's); `outer_momentum`: None for the outer optimizer's own; `diagnostic`: a
-    key of DIAGNOSTICS."""
+    key of DIAGNOSTICS; `crossing_every`: the islands' `sync.inter_island_every` (None: the recipe's)."""
 
     kind: str
     seed: int
@@ -185,6 +195,7 @@ class HonestArm:
     outer_momentum: float | None = None
     stable: bool = False
     diagnostic: str | None = None
+    crossing_every: int | None = None
 
     @property
     def family(self) -> str:
@@ -199,7 +210,8 @@ class HonestArm:
                    (f"-{self.outer_optimizer}" if self.outer_optimizer else "") + \
                    (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "") + \
                    (f"-m{self.outer_momentum:g}" if self.outer_momentum is not None else "") + \
-                   (f"-b{self.batch}" if self.batch is not None else "")
+                   (f"-b{self.batch}" if self.batch is not None else "") + \
+                   (f"-x{self.crossing_every}" if self.crossing_every is not None else "")
         diagnostic = f"-{self.diagnostic}" if self.diagnostic else ""
         return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}{diagnostic}-s{self.seed}"
 
@@ -220,8 +232,10 @@ class HonestArm:
                  **({"momentum": self.outer_momentum} if self.outer_momentum is not None else {})}
         if outer:
             overrides["sync"] = {"outer": outer}
+        if self.crossing_every is not None:
+            overrides.setdefault("sync", {})["inter_island_every"] = self.crossing_every
         raw = merged(raw, overrides)
-        return merged(raw, DIAGNOSTICS[self.diagnostic][1]) if self.diagnostic else raw
+        return merged(raw, DIAGNOSTICS[self.diagnostic][1](raw)) if self.diagnostic else raw
 
     def spec(self) -> RunSpec:
         return parse_spec(self.raw())
@@ -240,6 +254,7 @@ class Plan:
     b_final: bool = False  # whether (b)'s sweep is finished; until then `b` is its best finished arm's
     c: HonestArm | None = None  # the sweep's chosen arm (seed 0, without QK-LayerNorm and z-loss)
     islands: HonestArm | None = None
+    islands_final: bool = False  # whether the islands' sweep is finished; until then `islands` is its best so far
     stable: dict[str, bool] = field(default_factory=dict)  # kind: whether QK-LayerNorm and z-loss helped it
 
     def swept(self, kind: str, seed: int) -> HonestArm | None:
@@ -277,13 +292,42 @@ def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float
     return todo, best and (best["global_batch"], best["lr"]), False
 
 
+@functools.cache
+def inter_island_reduction(arm: HonestArm) -> float:
+    """Per-step all-reduce's inter-island bytes over `arm`'s, as the planner counts them (within 0.1% of
+    the learners' own counters: the planner leaves out a few small records)."""
+    spec = arm.spec()
+    planned = plan_run(spec, {island.name: 1.0 for island in spec.islands}, link_bps=1e12)
+    allreduce = allreduce_equivalent(spec, build_model(spec).parameter_counts()["total"], BaselinePlan.of(spec).steps)
+    return allreduce["inter_island_bytes"] / planned["exchange_bytes"]["inter"]
+
+
+def most_frequent_crossing(arm: HonestArm) -> int:
+    """The smallest `inter_island_every` at which `arm` still moves at least BYTES_GOAL times fewer
+    inter-island bytes than per-step all-reduce: a crossing's bytes are fixed, so they scale with
+    1 / inter_island_every, and the first guess is checked against the planner either way."""
+    recipe_every = islands_recipe()["sync"]["inter_island_every"]
+
+    def meets(every: int) -> bool:
+        return inter_island_reduction(replace(arm, crossing_every=every)) >= BYTES_GOAL
+    every = max(1, math.ceil(recipe_every * BYTES_GOAL / inter_island_reduction(replace(arm, crossing_every=recipe_every))))
+    while not meets(every):
+        every += 1
+    while every > 1 and meets(every - 1):
+        every -= 1
+    return every
+
+
 def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm], HonestArm | None]:
     """A learners' arm: its outer optimizer chosen first (the recipe's or one of OUTER_OPTIMIZERS, each at
     its own rate, at the recipe's inner rate), then its outer learning rate swept at the recipe's inner
     rate, then its inner rate at the best of those (single: inner first, then outer, as standard
     training's rate is swept first), then its outer momentum (in 1 - momentum, halved or doubled, up to
-    no momentum), then its global batch (`with_global_batch`). Returns the arms still to run, and the
-    chosen arm once every sweep is interior."""
+    no momentum), then its global batch (`with_global_batch`), and for the islands last how often they
+    cross: from the recipe's interval down to the most frequent crossing within the bytes goal
+    (`most_frequent_crossing`). Returns the arms still to run, and the chosen arm once every sweep is
+    interior; while only the crossing interval is still swept, the best finished arm so far with the
+    arms still to run, so the headline reads against the islands' best measured so far."""
     inner0, recipe_outer = recipe_rates()
     inner_grid = tuple(quality.nice(inner0 * k) for k in INNER_FACTORS)
     candidates = {None: recipe_outer, **{name: o["lr"] for name, o in OUTER_OPTIMIZERS.items()}}
@@ -322,7 +366,25 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
     momentum = round(1 - keep, 4)
     todo, batch = quality.interior_sweep(results, lambda b: arm(inner, outer, int(b), momentum),
                                          tuple(int(batch0 * k) for k in BATCH_FACTORS), bounds=ISLAND_BATCH_LIMITS)
-    return (todo, None) if batch is None else ([], arm(inner, outer, int(batch), momentum))
+    if batch is None:
+        return todo, None
+    chosen = arm(inner, outer, int(batch), momentum)
+    if kind == "single":
+        return [], chosen
+    recipe_every, fewest = islands_recipe()["sync"]["inter_island_every"], most_frequent_crossing(chosen)
+    if fewest >= recipe_every:
+        return [], chosen
+
+    def crossing(every: float) -> HonestArm:
+        return replace(chosen, crossing_every=None if round(every) == recipe_every else round(every))
+    # The interval's geometric middle between the bounds, and a factor 3 past a winning edge (never past
+    # the bounds, so an edge that wins is the answer).
+    grid = tuple(sorted({fewest, round(math.sqrt(fewest * recipe_every)), recipe_every}))
+    todo, every = quality.interior_sweep(results, crossing, grid, step=3, bounds=(fewest, recipe_every))
+    if every is not None:
+        return [], crossing(every)
+    finished = [arm for every in grid if (arm := crossing(every)).name in results]
+    return todo, min(finished, key=lambda arm: quality.validation_score(results[arm.name]), default=None)
 
 
 def plan(results: dict[str, dict]) -> Plan:
@@ -334,6 +396,7 @@ def plan(results: dict[str, dict]) -> Plan:
     inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
     todo, out.islands = learner_sweep(results, "islands")
+    out.islands_final = out.islands is not None and not todo
     out.todo += todo
     todo, out.b, out.b_final = b_sweep(results)
     out.todo += todo
@@ -354,7 +417,7 @@ def plan(results: dict[str, dict]) -> Plan:
 
     # The headline's pair on every seed before today's butterfly, the reference it is read beside.
     out.todo += tuned(("standard", "islands")) + tuned(("butterfly_today",))
-    if (islands := out.chosen("islands", SWEEP_SEED)) is not None:
+    if out.islands_final and (islands := out.chosen("islands", SWEEP_SEED)) is not None:
         out.todo += [replace(islands, diagnostic=name) for name in DIAGNOSTICS
                      if name != "nesterov" or islands.outer_optimizer is None]
     out.todo += single_todo + tuned(("single",))
@@ -469,7 +532,10 @@ def summary(results: dict[str, dict]) -> dict:
                                           "outer_optimizer": arm.outer_optimizer or "recipe",
                                           "outer_momentum": arm.outer_momentum if arm.outer_momentum is not None
                                           else outer_momentum(arm.outer_optimizer),
-                                          "global_batch": arm.batch or recipe_batch()}
+                                          "global_batch": arm.batch or recipe_batch(),
+                                          **({"inter_island_every": arm.crossing_every or
+                                              islands_recipe()["sync"]["inter_island_every"],
+                                              "final": chosen.islands_final} if name == "islands" else {})}
                            for name, arm in (("c", chosen.c), ("islands", chosen.islands))},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
            "gap_steps": gap_steps(chosen, results), "diagnostics": diagnostics(chosen, results),
@@ -524,8 +590,10 @@ def figure(results: dict[str, dict], chosen: Plan, path: Path) -> None:
 def learner_settings(chosen: dict | None) -> str:
     if not chosen:
         return "sweep not finished"
+    crossing = f", crossing every {chosen['inter_island_every']} exchanges" if "inter_island_every" in chosen else ""
+    best_so_far = "" if chosen.get("final", True) else " (the best so far: its sweep goes on)"
     return (f"inner learning rate {chosen['inner_lr']:g}, outer {chosen['outer_lr']:g} ({chosen['outer_optimizer']}, "
-            f"momentum {chosen['outer_momentum']:g}), global batch {chosen['global_batch']}")
+            f"momentum {chosen['outer_momentum']:g}), global batch {chosen['global_batch']}{crossing}{best_so_far}")
 
 
 def page(table: dict, results: dict[str, dict]) -> str:

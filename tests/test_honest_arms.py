@@ -3,11 +3,13 @@ scores): equal tokens at 20 per active parameter, sweeps that end only at interi
 included, and the tokens standard training needs to reach a bpb."""
 
 import math
+from dataclasses import replace
 
 import pytest
 
-from bench.honest import (BATCH_LIMITS, DIAGNOSTICS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, figure,
-                          outer_momentum, plan, summary, tokens_to_reach)
+from bench.honest import (BATCH_LIMITS, BYTES_GOAL, DIAGNOSTICS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, figure,
+                          inter_island_reduction, most_frequent_crossing, outer_momentum, plan, summary,
+                          tokens_to_reach)
 from training.baseline import BaselinePlan
 from training.model.registry import build_model
 
@@ -39,10 +41,13 @@ def test_every_arm_trains_the_same_tokens_about_twenty_per_active_parameter():
     half, recipe = arms[10].spec(), arms[6].spec()
     assert [(i.batch_size * 2, i.inner_steps) for i in half.islands] == [(i.batch_size, i.inner_steps * 2) for i in recipe.islands]
     assert half.sync.rounds == recipe.sync.rounds and arms[10].name == "islands-b24-s0"
-    # Taking the fragments away keeps the crossings as many rounds apart.
-    whole = HonestArm("islands", 0, diagnostic="whole").spec()
-    assert (whole.sync.transport.fragments, whole.sync.transport.tau) == (1, 0)
-    assert whole.sync.inter_island_every * 1 == recipe.sync.inter_island_every * recipe.sync.transport.fragments
+    # Taking the fragments away keeps the crossings as many rounds apart, at any crossing interval.
+    for every in (None, 2, 5):
+        crossing = HonestArm("islands", 0, crossing_every=every)
+        whole = replace(crossing, diagnostic="whole").spec()
+        assert (whole.sync.transport.fragments, whole.sync.transport.tau) == (1, 0)
+        assert whole.sync.inter_island_every == crossing.spec().sync.inter_island_every * recipe.sync.transport.fragments
+    assert HonestArm("islands", 0, crossing_every=2).spec().sync.inter_island_every == 2
     single = arms[5].spec()
     assert len(single.learners) == 1 and single.sync.transport.compression == "none"
 
@@ -59,9 +64,10 @@ def scored(arm, best_batch: int) -> dict:
         # global batch 24; one learner with the recipe's at 1.0, its momentum (0.5) and batch.
         best = ("averaging", 1.4, 24) if arm.kind == "islands" else (None, 1.0, None)
         momentum = arm.outer_momentum if arm.outer_momentum is not None else outer_momentum(arm.outer_optimizer)
+        # The islands cross best every 5th exchange (the recipe: every 15th).
         value = 2.2 + (math.log(arm.lr) - math.log(3e-3)) ** 2 + (arm.outer_lr - best[1]) ** 2 \
             + 0.05 * (arm.outer_optimizer != best[0]) + 0.1 * abs(math.log2((arm.batch or 48) / (best[2] or 48))) \
-            + 0.1 * (momentum - 0.5) ** 2
+            + 0.1 * (momentum - 0.5) ** 2 + 0.01 * abs(math.log((arm.crossing_every or 15) / 5))
     if arm.stable:  # QK-LayerNorm and z-loss help the islands only
         value += -0.01 if arm.kind == "islands" else 0.01
     curve = [{"tokens": t, "bpb": {"code": value + 1 / t ** 0.5, "prose": value + 1 / t ** 0.5}}
@@ -87,14 +93,23 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
         if swept and not now.b_final:  # (b) so far: its best finished arm
             best = min(swept, key=lambda r: r["validation_bpb"]["code"])
             assert now.b == (best["global_batch"], best["lr"])
+        if now.islands is not None and not now.islands_final:  # the islands so far: a finished crossing arm
+            assert now.islands.name in results and now.todo[0].kind == "islands"
         results[now.todo[0].name] = scored(now.todo[0], best_batch)
     chosen = plan(results)
-    assert not chosen.todo and chosen.b_final
+    assert not chosen.todo and chosen.b_final and chosen.islands_final
     batches = sorted({r["global_batch"] for r in results.values() if r["kind"] == "standard"})
     assert chosen.b[0] == best_batch  # the batch grew past the first grid's edge to reach 6
     assert batches[-1] > chosen.b[0] and (batches[0] < chosen.b[0] or chosen.b[0] == BATCH_LIMITS[0])
     islands, single = chosen.islands, chosen.c
     assert (islands.outer_lr, islands.outer_optimizer, islands.outer_momentum, islands.batch) == (1.4, "averaging", 0.5, 24)
+    # Crossings swept from the recipe's every 15th down to the most frequent within the bytes goal; the
+    # grid's middle, nearest 5, wins.
+    fewest = most_frequent_crossing(islands)
+    assert islands.crossing_every == round(math.sqrt(fewest * 15)) and fewest < islands.crossing_every < 15
+    assert inter_island_reduction(replace(islands, crossing_every=fewest)) >= BYTES_GOAL
+    assert fewest == 1 or inter_island_reduction(replace(islands, crossing_every=fewest - 1)) < BYTES_GOAL
+    assert replace(islands, crossing_every=fewest).name in results
     assert (single.outer_lr, single.outer_optimizer, single.outer_momentum, single.batch) == (1.0, None, None, None)
     assert {r["arm"] for r in results.values()} >= {"islands-lr0.003-averaging-outer1.4-m0.75-s0",
                                                    "c-lr0.003-outer1-m0.75-s0", "c-lr0.003-outer1-m0-s0"}
@@ -136,3 +151,11 @@ def test_tokens_to_reach_interpolates_in_log_tokens_and_extrapolates_past_the_la
     assert tokens_to_reach(curve, "e", 3.5) == (pytest.approx(1_000), False)
     assert tokens_to_reach(curve, "e", 5.0) == (pytest.approx(100), False)
     assert tokens_to_reach(curve, "e", 1.5) == (pytest.approx(10_000_000), True)
+
+
+def test_the_most_frequent_crossing_is_the_last_interval_within_the_bytes_goal():
+    recipe = HonestArm("islands", 0)
+    fewest = most_frequent_crossing(recipe)
+    assert 1 < fewest < recipe.spec().sync.inter_island_every
+    assert inter_island_reduction(replace(recipe, crossing_every=fewest)) >= BYTES_GOAL
+    assert inter_island_reduction(replace(recipe, crossing_every=fewest - 1)) < BYTES_GOAL
