@@ -649,7 +649,8 @@ def page(table: dict, results: dict[str, dict]) -> str:
                       for c in bytes_["counted"]) + ".", ""]
     if "shaped_link" in bytes_:
         link = bytes_["shaped_link"]
-        lines += [f"Across a shaped link ({link['rate_bps'] / 1e6:.1f} Mbit/s, the recipe's 150 rounds, one run at commit "
+        lines += [f"Across a shaped link ({link['rate_bps'] / 1e6:.1f} Mbit/s, the recipe's 150 rounds and crossings every "
+                  f"{islands_recipe()['sync']['inter_island_every']}th exchange, one run at commit "
                   f"{link['commit']}, [brief-shaped-link-hierarchical.md](brief-shaped-link-hierarchical.md)): "
                   f"utilisation {link['utilisation']:.1%} against per-step all-reduce's {link['standard_utilisation']:.1%}, "
                   f"{link['bytes_reduction_counted']:.0f}x fewer inter-island bytes counted, per-step all-reduce's final "
