@@ -60,7 +60,7 @@ from eval.report import allreduce_equivalent
 from infra.spec import RunSpec, parse_spec
 from training.baseline import BaselinePlan
 from training.model.registry import build_model
-from training.planning.planner import plan_run
+from training.planning.planner import replay
 
 RESULTS = Path("bench/results/honest")
 CPU_LOCK = Path("/work/cpu.lock")
@@ -133,6 +133,11 @@ def recipe_rates() -> tuple[float, float]:
     """The islands recipe's (inner, outer) learning rates."""
     raw = islands_recipe()
     return raw["training"]["lr"], raw["sync"]["outer"]["lr"]
+
+
+def recipe_crossing_every() -> int:
+    """The islands recipe's exchanges of a fragment between its crossings of islands."""
+    return islands_recipe()["sync"]["inter_island_every"]
 
 
 def outer_momentum(optimizer: str | None) -> float:
@@ -294,19 +299,20 @@ def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float
 
 @functools.cache
 def inter_island_reduction(arm: HonestArm) -> float:
-    """Per-step all-reduce's inter-island bytes over `arm`'s, as the planner counts them (within 0.1% of
-    the learners' own counters: the planner leaves out a few small records)."""
+    """Per-step all-reduce's inter-island bytes over `arm`'s, as the planner's replay counts them (within
+    0.1% of the learners' own counters: the replay leaves out a few small records). Bytes depend on
+    neither step times nor the link, so any will do, and the full plan's bandwidth search is not needed."""
     spec = arm.spec()
-    planned = plan_run(spec, {island.name: 1.0 for island in spec.islands}, link_bps=1e12)
+    planned = replay(spec, {island.name: 1.0 for island in spec.islands}, link_bps=1e12)
     allreduce = allreduce_equivalent(spec, build_model(spec).parameter_counts()["total"], BaselinePlan.of(spec).steps)
-    return allreduce["inter_island_bytes"] / planned["exchange_bytes"]["inter"]
+    return allreduce["inter_island_bytes"] / sum(learner.bytes_read["inter"] for learner in planned)
 
 
 def most_frequent_crossing(arm: HonestArm) -> int:
     """The smallest `inter_island_every` at which `arm` still moves at least BYTES_GOAL times fewer
     inter-island bytes than per-step all-reduce: a crossing's bytes are fixed, so they scale with
     1 / inter_island_every, and the first guess is checked against the planner either way."""
-    recipe_every = islands_recipe()["sync"]["inter_island_every"]
+    recipe_every = recipe_crossing_every()
 
     def meets(every: int) -> bool:
         return inter_island_reduction(replace(arm, crossing_every=every)) >= BYTES_GOAL
@@ -371,7 +377,7 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
     chosen = arm(inner, outer, int(batch), momentum)
     if kind == "single":
         return [], chosen
-    recipe_every, fewest = islands_recipe()["sync"]["inter_island_every"], most_frequent_crossing(chosen)
+    recipe_every, fewest = recipe_crossing_every(), most_frequent_crossing(chosen)
     if fewest >= recipe_every:
         return [], chosen
 
@@ -533,8 +539,7 @@ def summary(results: dict[str, dict]) -> dict:
                                           "outer_momentum": arm.outer_momentum if arm.outer_momentum is not None
                                           else outer_momentum(arm.outer_optimizer),
                                           "global_batch": arm.batch or recipe_batch(),
-                                          **({"inter_island_every": arm.crossing_every or
-                                              islands_recipe()["sync"]["inter_island_every"],
+                                          **({"inter_island_every": arm.crossing_every or recipe_crossing_every(),
                                               "final": chosen.islands_final} if name == "islands" else {})}
                            for name, arm in (("c", chosen.c), ("islands", chosen.islands))},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
@@ -650,7 +655,7 @@ def page(table: dict, results: dict[str, dict]) -> str:
     if "shaped_link" in bytes_:
         link = bytes_["shaped_link"]
         lines += [f"Across a shaped link ({link['rate_bps'] / 1e6:.1f} Mbit/s, the recipe's 150 rounds and crossings every "
-                  f"{islands_recipe()['sync']['inter_island_every']}th exchange, one run at commit "
+                  f"{recipe_crossing_every()}th exchange, one run at commit "
                   f"{link['commit']}, [brief-shaped-link-hierarchical.md](brief-shaped-link-hierarchical.md)): "
                   f"utilisation {link['utilisation']:.1%} against per-step all-reduce's {link['standard_utilisation']:.1%}, "
                   f"{link['bytes_reduction_counted']:.0f}x fewer inter-island bytes counted, per-step all-reduce's final "
