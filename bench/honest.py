@@ -109,10 +109,14 @@ DIAGNOSTICS = {
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
 BYTES_GOAL = 100  # at least 100x fewer inter-island bytes than per-step all-reduce, counted
-# The islands recipe across a shaped link beside per-step all-reduce (`python -m bench.shaped_link
-# --standard configs/brief.yaml --butterfly configs/brief-hierarchical.yaml --arms standard,butterfly
-# --repeats 1 --dp-utilisation 0.15 --out bench/results/brief/shaped_link_hierarchical.json`).
-SHAPED_LINK = Path("bench/results/brief/shaped_link_hierarchical.json")
+# The islands' chosen arm as a config (seed 0, written with the summary once the sweep is finished), and
+# that config across a shaped link beside per-step all-reduce of the same model, at the recipe's 150
+# rounds: `python -m bench.shaped_link --standard bench/results/honest/islands-chosen.yaml --butterfly
+# bench/results/honest/islands-chosen.yaml --arms standard,butterfly --repeats 1
+# --dp-utilisation 0.15 --out bench/results/honest/shaped_link.json` (as root).
+CHOSEN_CONFIG = RESULTS / "islands-chosen.yaml"
+SHAPED_LINK = RESULTS / "shaped_link.json"
+SHAPED_LINK_ROUNDS = 150
 
 
 @functools.cache
@@ -517,12 +521,23 @@ def communication(chosen: Plan, results: dict[str, dict]) -> dict:
     out: dict = {"counted": counted, "goal": BYTES_GOAL}
     if SHAPED_LINK.exists():
         shaped = json.loads(SHAPED_LINK.read_text())
+        ran = shaped["arms"]["butterfly"]["settings"]
+        islands = chosen.chosen("islands", SWEEP_SEED) if chosen.islands_final else None
         out["shaped_link"] = {"commit": shaped["commit"], "rate_bps": shaped["link"]["rate_bps"],
+                              "rounds": ran["sync"]["rounds"], "inter_island_every": ran["sync"]["inter_island_every"],
+                              "at_chosen_settings": islands is not None and same_settings(ran, islands.spec()),
                               "utilisation": statistics.median(shaped["arms"]["butterfly"]["utilisation"]),
                               "standard_utilisation": statistics.median(shaped["arms"]["standard"]["utilisation"]),
                               "bytes_reduction_counted": shaped["targets"]["butterfly_bytes_reduction_counted"],
                               "time_to_quality_ratio": shaped["targets"]["time_to_quality"]["ratio"]}
     return out
+
+
+def same_settings(ran: dict, spec: RunSpec) -> bool:
+    """Whether a run's recorded model, training and sync settings are `spec`'s, its rounds aside."""
+    mine = spec.model_dump(mode="json", include={"model", "training", "sync"})
+    return all({**ran[k], "rounds": None} == {**mine[k], "rounds": None} if k == "sync" else ran[k] == mine[k]
+               for k in mine)
 
 
 def summary(results: dict[str, dict]) -> dict:
@@ -654,9 +669,10 @@ def page(table: dict, results: dict[str, dict]) -> str:
                       for c in bytes_["counted"]) + ".", ""]
     if "shaped_link" in bytes_:
         link = bytes_["shaped_link"]
-        lines += [f"Across a shaped link ({link['rate_bps'] / 1e6:.1f} Mbit/s, the recipe's 150 rounds and crossings every "
-                  f"{recipe_crossing_every()}th exchange, one run at commit "
-                  f"{link['commit']}, [brief-shaped-link-hierarchical.md](brief-shaped-link-hierarchical.md)): "
+        settings = "the islands' chosen settings" if link["at_chosen_settings"] else "settings that are not the chosen ones"
+        lines += [f"Across a shaped link ({link['rate_bps'] / 1e6:.1f} Mbit/s, {settings} at {link['rounds']} rounds, "
+                  f"one crossing in {link['inter_island_every']} exchanges, one run at commit "
+                  f"{link['commit']}, [honest-shaped-link.md](honest-shaped-link.md)): "
                   f"utilisation {link['utilisation']:.1%} against per-step all-reduce's {link['standard_utilisation']:.1%}, "
                   f"{link['bytes_reduction_counted']:.0f}x fewer inter-island bytes counted, per-step all-reduce's final "
                   f"held-out bpb in {link['time_to_quality_ratio']:.2f}x its wall time.", ""]
@@ -685,6 +701,12 @@ def write_page(log: Log | None = None) -> None:
     table = summary(results)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "summary.json").write_text(json.dumps(table, indent=1))
+    chosen = plan(results)
+    if chosen.islands_final and (islands := chosen.chosen("islands", SWEEP_SEED)) is not None:
+        raw = islands.raw()
+        raw["sync"]["rounds"] = SHAPED_LINK_ROUNDS
+        CHOSEN_CONFIG.write_text(f"# The islands' arm {islands.name}, written by python -m bench.honest --table; "
+                                 f"rounds set to the shaped-link run's.\n" + yaml.safe_dump(raw, sort_keys=False))
     figure(results, plan(results), RESULTS / "sweeps.png")
     write_results_page("honest", page(table, results), sources=str(RESULTS), command="python -m bench.honest --table",
                        commit=table["commit"], date=table["date"])

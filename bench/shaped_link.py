@@ -240,11 +240,13 @@ def drive(job: dict) -> int:
             job["configs"][islands_arms[0]], job["rounds"], server.endpoint_url, island_stores),
             Path(job["workdir"]))) if islands_arms else None
         runs: dict[str, list[dict]] = {arm: [] for arm in job["arms"]}
+        ran = {}
         for repeat in range(job["repeats"]):  # arm by arm within a repeat, so arms compare side by side
             for arm in job["arms"]:
                 spec = arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url,
                                 island_stores if arm != "standard" else {},
                                 job["checkpoint_every"] if arm != "standard" else None)
+                ran[arm] = spec
                 log(f"arm {arm}, run {repeat + 1}/{job['repeats']}: {job['configs'][arm]}, {spec.sync.rounds} rounds")
                 result = run_standard(spec, plan, job["dp_max_steps"]) if arm == "standard" else \
                     run_islands(spec, plan, arm, api_url)
@@ -255,6 +257,8 @@ def drive(job: dict) -> int:
     configs = {**job["configs"], OUTAGE_ARM: job["configs"].get("butterfly")}
     results = {arm: {**arm_result(configs[arm], arm_runs), **({"predicted": predicted[arm]} if arm in predicted
                                                                      else {})} for arm, arm_runs in runs.items()}
+    for arm, spec in ran.items():  # what each arm ran, so a reader need not trust its config file unchanged
+        results[arm]["settings"] = spec.model_dump(mode="json", include={"model", "training", "sync"})
     results_targets = targets(results)
     document = {**provenance(), "time_to_quality_ratio": results_targets.get("time_to_quality", {}).get("ratio"),
                 "link": {**job["rate"], "plan": job["plan"], "store_island": plan.server.island,
