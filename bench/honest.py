@@ -56,7 +56,7 @@ from bench import quality
 from bench.brief import merged, one_learner
 from bench.harness import Log, load_arms, resumable_main, run_arms
 from bench.results_page import recorded, write_results_page
-from eval.report import allreduce_equivalent
+from eval.report import FP32, allreduce_equivalent
 from infra.spec import RunSpec, parse_spec
 from training.baseline import BaselinePlan
 from training.model.registry import build_model
@@ -526,11 +526,22 @@ def communication(chosen: Plan, results: dict[str, dict]) -> dict:
         out["shaped_link"] = {"commit": shaped["commit"], "rate_bps": shaped["link"]["rate_bps"],
                               "rounds": ran["sync"]["rounds"], "inter_island_every": ran["sync"]["inter_island_every"],
                               "at_chosen_settings": islands is not None and same_settings(ran, islands.spec()),
+                              "ring_over_island_allreduce": ring_over_island_allreduce(CONFIGS["islands"]),
                               "utilisation": statistics.median(shaped["arms"]["butterfly"]["utilisation"]),
                               "standard_utilisation": statistics.median(shaped["arms"]["standard"]["utilisation"]),
                               "bytes_reduction_counted": shaped["targets"]["butterfly_bytes_reduction_counted"],
                               "time_to_quality_ratio": shaped["targets"]["time_to_quality"]["ratio"]}
     return out
+
+
+def ring_over_island_allreduce(config: Path) -> float:
+    """Inter-island bytes per step of the ring all-reduce over every learner that the bytes goal counts
+    against, over those of an all-reduce between one process per island (one gradient each way, as the
+    shaped link's per-step all-reduce runs): 1.75 for 8 learners in 2 islands."""
+    spec = parse_spec(yaml.safe_load(config.read_text()))
+    parameters = build_model(spec).parameter_counts()["total"]
+    islands = len([island for island in spec.islands if island.learners])
+    return allreduce_equivalent(spec, parameters, 1)["inter_island_bytes"] / (2 * (islands - 1) * parameters * FP32)
 
 
 def same_settings(ran: dict, spec: RunSpec) -> bool:
@@ -662,8 +673,9 @@ def page(table: dict, results: dict[str, dict]) -> str:
         lines.append("")
     bytes_ = table["communication"]
     if bytes_["counted"]:
-        lines += ["Inter-island bytes, counted by the islands' learners against per-step all-reduce of the same "
-                  f"steps (goal: at least {bytes_['goal']}x fewer): " + "; ".join(
+        lines += ["Inter-island bytes, counted by the islands' learners against a per-step ring all-reduce over the "
+                  f"same 8 learners and steps (`eval.report.allreduce_equivalent`; goal: at least {bytes_['goal']}x "
+                  "fewer): " + "; ".join(
                       f"seed {c['seed']} (commit {c['commit']}) {c['inter_island_bytes'] / 1e6:.1f} MB against "
                       f"{c['allreduce_equivalent_bytes'] / 1e9:.2f} GB, {c['inter_island_reduction']:.0f}x fewer"
                       for c in bytes_["counted"]) + ".", ""]
@@ -674,8 +686,11 @@ def page(table: dict, results: dict[str, dict]) -> str:
                   f"one crossing in {link['inter_island_every']} exchanges, one run at commit "
                   f"{link['commit']}, [honest-shaped-link.md](honest-shaped-link.md)): "
                   f"utilisation {link['utilisation']:.1%} against per-step all-reduce's {link['standard_utilisation']:.1%}, "
-                  f"{link['bytes_reduction_counted']:.0f}x fewer inter-island bytes counted, per-step all-reduce's final "
-                  f"held-out bpb in {link['time_to_quality_ratio']:.2f}x its wall time.", ""]
+                  f"{link['bytes_reduction_counted']:.0f}x fewer inter-island bytes counted, and per-step all-reduce's "
+                  f"final held-out bpb reached in {link['time_to_quality_ratio']:.2f}x its wall time. That all-reduce runs "
+                  "one process per island, so only one copy of the gradient crosses each way per step: "
+                  f"{link['ring_over_island_allreduce']:.2f}x fewer bytes than the ring over 8 learners above, and the ratio "
+                  "against it is as many times smaller.", ""]
     lines += [f"Goal: the islands at least {-GOAL:.0%} below (b) on every evaluation (mean of 3 seeds, interval below "
               f"zero) and within {TOKEN_RATIO_GOAL}x of (c) in standard training's tokens.", ""]
     against_b = {e: statistics.fmean(v["islands"]) / statistics.fmean(v["b"]) - 1
