@@ -4,8 +4,8 @@ For each config, its learners train as `archipelago plan --profile-run` runs the
 `--rounds` rounds and whole periods of the mode's island crossings (`profile_rounds`)
 (`training.planning.profile`: every learner its own OS process, all started together on this machine's
 cores, against a store in a local folder, everything of the round included: inner steps, exchange,
-outer step, checkpoints); their tokens per second are the tokens of every round after each learner's
-first, over the span of those rounds (`RunProfile.tokens_per_s`). Standard training
+outer step, checkpoints); their tokens per second are the tokens of the rounds the profile times,
+over the span of those rounds (`RunProfile.tokens_per_s`). Standard training
 (`training.baseline.train_baseline`) then trains the same model on the same shards for the same
 tokens, in one process with a thread per core, and reports its own tokens per second. Both hold the
 benchmarks' CPU lock, one after the other. The profile also gives the plan's utilisation with no link

@@ -126,8 +126,28 @@ def test_a_profile_covers_whole_periods_of_the_modes_island_crossings():
     assert profile_rounds(spec_of("allreduce", fragments=2)) == PROFILE_ROUNDS
     assert profile_rounds(spec_of("hierarchical")) == PROFILE_ROUNDS  # it crosses every round
     # 8 learners make 3 butterfly stages; 2 fragments; pairs across islands meet every 5th cycle.
-    assert profile_rounds(spec_of("butterfly", fragments=2, learners=4, inter_island_every=5)) == 1 + 2 * 3 * 5
-    assert profile_rounds(spec_of("hierarchical", fragments=2, learners=4, inter_island_every=15)) == 1 + 2 * 15
+    # Both first cross islands in round 28, so their rounds are timed from round 29 on.
+    assert profile_rounds(spec_of("butterfly", fragments=2, learners=4, inter_island_every=5)) == 29 + 2 * 3 * 5
+    assert profile_rounds(spec_of("hierarchical", fragments=2, learners=4, inter_island_every=15)) == 29 + 2 * 15
+
+
+def test_a_profile_leaves_the_islands_start_up_lag_to_the_start_up():
+    """Learner 1 starts 3.5 s after learner 0, which waits for it in the first round that crosses
+    islands (round 1: every 2nd exchange of one fragment): the wait is learner 1's late start, not a
+    round's overhead."""
+    from types import SimpleNamespace
+    from training.planning.profile import profile_rounds, summarise
+    spec = spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6)
+    assert profile_rounds(spec) == 2 + 4
+    rounds = [{"compute_s": 0.4, "sync_s": 0.0} for _ in range(6)]
+    exchanges = [{"blocked_s": 0.0, "seconds": {"publish": 0.0, "receive": 0.0, "outer_step": 0.0}}] * 6
+    summaries = [SimpleNamespace(learner=k, rounds=rounds, exchanges=exchanges) for k in (0, 1)]
+    ends = {0: [1.0, 5.0, 5.5, 6.0, 6.5, 7.0], 1: [4.5, 5.0, 5.5, 6.0, 6.5, 7.0]}
+    profile = summarise(spec, summaries, ends, exits={0: 7.5, 1: 7.5})
+    assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.1})
+    assert profile.startup_s == pytest.approx(4.5 - 0.4 - 0.1)
+    with pytest.raises(ValueError, match="times the rounds after the first 2"):
+        summarise(spec, summaries, {0: [1.0, 5.0], 1: [4.5, 5.0]}, exits={0: 7.5, 1: 7.5})
 
 
 @pytest.mark.integration  # the CLI in a process of its own, with learners

@@ -138,6 +138,21 @@ def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Rec
 
 
 SYNC_MODES: dict[str, SyncMode] = {"butterfly": Butterfly(), "allreduce": AllReduce(), "hierarchical": Hierarchical()}
+
+
+def first_crossing(spec: RunSpec) -> int:
+    """The first round in which a learner hears from another island (0 where none ever does)."""
+    mode, sync = SYNC_MODES[spec.sync.mode], spec.sync
+    fragments, every = sync.transport.fragments, sync.inter_island_every
+    links = [island_links(spec, slot.index) for slot in spec.learners]
+    for t in range(mode.period(fragments, len(spec.learners), every)):
+        crosses = isinstance(mode, Hierarchical) and mode.crosses(t, fragments, every)
+        if crosses or any(links[me][p] == "inter" for me in range(len(links))
+                          for p in mode.peers(me, t, fragments, links[me], every)):
+            return t
+    return 0
+
+
 # A learner's messages of a round: its round's message; in hierarchical mode, in a round that crosses
 # islands, its slice of its island's anchor for the other islands, then that slice's islands' mean for
 # its own island.
@@ -154,6 +169,12 @@ def islands_of(spec: RunSpec) -> list[list[int]]:
 def island_members(spec: RunSpec, learner: int) -> list[int]:
     """The learners of `learner`'s island, in order."""
     return next(members for members in islands_of(spec) if learner in members)
+
+
+def island_links(spec: RunSpec, me: int) -> list[str]:
+    """Per learner of the run: "intra" where it shares learner `me`'s island, else "inter"."""
+    island = spec.learners[me].island.name
+    return ["intra" if peer.island.name == island else "inter" for peer in spec.learners]
 
 
 def crossing_slices(spec: RunSpec, sizes: list[int]) -> list[list[tuple[int, int]]]:
@@ -311,7 +332,7 @@ class Exchanger:
         self.initial = initial
         self.hierarchical = isinstance(self.mode, Hierarchical)
         self.feedback = ErrorFeedback(self.codec, initial.numel(), residual_fields(spec), settings.error_feedback)
-        self.links = ["intra" if peer.island.name == slot.island.name else "inter" for peer in spec.learners]
+        self.links = island_links(spec, slot.index)
         self.slices = crossing_slices(spec, self.layout.sizes) if self.hierarchical else []
 
     # -- the public face ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from training.exchange.fragments import assign_fragments, fragment_of_round
 from training.model.registry import build_model
 from training.planning.windows import Stretch, WindowedClock, windows_plan
 from training.exchange.exchanger import (CROSSING, MIXED, ROUND, SYNC_MODES, Hierarchical, crossing_slices,
-                                         expected_message, message_codec, message_key)
+                                         expected_message, island_links, message_codec, message_key)
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
 # Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
@@ -138,7 +138,7 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
     windows, each computes only inside its island's (`training.planning.windows`)."""
     slots = spec.learners
     settings, mode = spec.sync.transport, SYNC_MODES[spec.sync.mode]
-    links_of = [["intra" if p.island.name == s.island.name else "inter" for p in slots] for s in slots]
+    links_of = [island_links(spec, s.index) for s in slots]
     sizes_bytes = sizes_bytes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
     if isinstance(mode, Hierarchical):
         crossings = crossings or Crossings.of(spec, fragment_sizes(spec))

@@ -23,10 +23,10 @@ from dataclasses import asdict, dataclass, field
 
 from infra.launch import LearnerProcess, island_cores, run_learner, threads_per_process
 from infra.spec import RunSpec, parse_spec, spec_sha256
-from training.exchange.exchanger import SYNC_MODES
+from training.exchange.exchanger import SYNC_MODES, first_crossing
 from training.learner.ledger import read_summaries
 
-# The first round's end starts the clock; at least four more give each learner four round lengths.
+# At least four timed rounds give each learner four round lengths (`profile_rounds`).
 PROFILE_ROUNDS = 5
 
 # A round's parts, as the learners' summaries record them. On the learner's path: its inner steps,
@@ -41,15 +41,16 @@ ROUND_PARTS = ("inner_steps", "sync", "waiting_for_exchange", "checkpoint", "pub
 class RunProfile:
     step_seconds: dict[str, float]  # per island: an inner step, with the run's background work going on
     # Per island: a round's seconds besides its inner steps, on no link; the mean over whole periods of the
-    # mode's crossings (`profile_rounds`), so a round that crosses islands counts as often as it comes.
+    # mode's crossings after the settling rounds (`profile_rounds`), so a round that crosses islands
+    # counts as often as it comes.
     round_overhead_s: dict[str, float]
     startup_s: float  # launch to the first inner step, slowest learner
     teardown_s: float  # the last round's end to the process's exit, slowest learner
-    # Per island, mean seconds of a round's parts (`ROUND_PARTS`), the first round left out as above:
-    # where the overhead comes from. Means, so a checkpoint every k rounds counts 1/k of its cost.
+    # Per island, mean seconds of a round's parts (`ROUND_PARTS`) over the same rounds: where the
+    # overhead comes from. Means, so a checkpoint every k rounds counts 1/k of its cost.
     round_parts_s: dict[str, dict[str, float]] = field(default_factory=dict)
-    # The learners together: the tokens of every round after each one's first, over the span from the
-    # earliest first round's end to the latest last round's end.
+    # The learners together: the tokens of their timed rounds, over the span from the earliest end of a
+    # last settling round to the latest last round's end.
     tokens_per_s: float = 0.0
 
     def to_json(self) -> dict:
@@ -64,13 +65,21 @@ class RunProfile:
         return max(((part, seconds) for part, seconds in parts.items() if part != "inner_steps"), key=lambda p: p[1])
 
 
+def settling_rounds(spec: RunSpec) -> int:
+    """The rounds a profile does not time: the first (it builds the outer optimizer's state) and every
+    round up to the first that hears from another island. Learners start unevenly (a learner of
+    several processes starts later), and those that start early wait in that round for the others:
+    their start-up's lag, which `startup_s` holds, not a round's overhead."""
+    return first_crossing(spec) + 1
+
+
 def profile_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
-    """The first round, then whole periods of the mode's peers and island crossings
-    (`SyncMode.period`), at least `at_least` rounds in all: a mode that crosses islands only every so
-    often spends its rounds unevenly."""
+    """The settling rounds (`settling_rounds`), then whole periods of the mode's peers and island
+    crossings (`SyncMode.period`), at least `at_least` - 1 timed rounds: a mode that crosses islands
+    only every so often spends its rounds unevenly."""
     period = SYNC_MODES[spec.sync.mode].period(spec.sync.transport.fragments, len(spec.learners),
                                                spec.sync.inter_island_every)
-    return 1 + period * math.ceil((at_least - 1) / period)
+    return settling_rounds(spec) + period * math.ceil((at_least - 1) / period)
 
 
 def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = None) -> RunProfile:
@@ -121,7 +130,9 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = N
 
 
 def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exits: dict[int, float]) -> RunProfile:
-    """The profile from each learner's summary (compute per round) and when its rounds ended."""
+    """The profile from each learner's summary (compute per round) and when its rounds ended, timed
+    from the end of the last settling round (`settling_rounds`)."""
+    settle = settling_rounds(spec)
     steps: dict[str, list[float]] = {}
     overheads: dict[str, list[float]] = {}
     parts: dict[str, dict[str, list[float]]] = {}
@@ -129,15 +140,18 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
     for summary in summaries:
         island = spec.learners[summary.learner].island
         ends, compute = round_times[summary.learner], [r["compute_s"] for r in summary.rounds]
-        steps.setdefault(island.name, []).extend(c / island.inner_steps for c in compute[1:])
-        overhead = [later - earlier - c for earlier, later, c in zip(ends, ends[1:], compute[1:])]
+        if len(ends) <= settle:
+            raise ValueError(f"learner {summary.learner} ran {len(ends)} rounds; a profile times the rounds "
+                             f"after the first {settle}")
+        steps.setdefault(island.name, []).extend(c / island.inner_steps for c in compute[settle:])
+        overhead = [later - earlier - c for earlier, later, c in zip(ends[settle - 1:], ends[settle:], compute[settle:])]
         overheads.setdefault(island.name, []).extend(overhead)
         mine = parts.setdefault(island.name, {part: [] for part in ROUND_PARTS})
-        for r in summary.rounds[1:]:
+        for r in summary.rounds[settle:]:
             mine["inner_steps"].append(r["compute_s"])
             mine["sync"].append(r["sync_s"])
             mine["checkpoint"].append(r.get("checkpoint_s", 0.0))
-        for exchange in summary.exchanges[1:]:
+        for exchange in summary.exchanges[settle:]:
             mine["waiting_for_exchange"].append(exchange["blocked_s"])
             for part in ("publish", "receive", "outer_step"):
                 mine[part].append(exchange["seconds"][part])
@@ -148,6 +162,7 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
                       max(startups), max(teardowns),
                       {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
                        for name, island_parts in parts.items()},
-                      sum(spec.learners[s.learner].tokens_per_round() * (len(round_times[s.learner]) - 1)
+                      sum(spec.learners[s.learner].tokens_per_round() * (len(round_times[s.learner]) - settle)
                           for s in summaries) /
-                      (max(ends[-1] for ends in round_times.values()) - min(ends[0] for ends in round_times.values())))
+                      (max(ends[-1] for ends in round_times.values()) -
+                       min(ends[settle - 1] for ends in round_times.values())))
