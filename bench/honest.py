@@ -428,7 +428,7 @@ def plan(results: dict[str, dict]) -> Plan:
     # The headline's pair on every seed before today's butterfly, the reference it is read beside.
     out.todo += tuned(("standard", "islands")) + tuned(("butterfly_today",))
     if out.islands_final and (islands := out.chosen("islands", SWEEP_SEED)) is not None:
-        out.todo += [replace(islands, diagnostic=name) for name in DIAGNOSTICS
+        out.todo += [diagnostic_arm(islands, name) for name in DIAGNOSTICS
                      if name != "nesterov" or islands.outer_optimizer is None]
     out.todo += single_todo + tuned(("single",))
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
@@ -462,6 +462,12 @@ def tokens_to_reach(curve: list[dict], evaluation: str, bpb: float) -> tuple[flo
     return float(np.exp((bpb - intercept) / slope)), True
 
 
+def diagnostic_arm(islands: HonestArm, name: str) -> HonestArm:
+    """The islands' arm with diagnostic `name`. Crossing at every exchange sets the interval itself, so
+    it is one arm (and one run) whatever interval the islands chose."""
+    return replace(islands, diagnostic=name, crossing_every=None if name == "cross-every" else islands.crossing_every)
+
+
 def diagnostics(chosen: Plan, results: dict[str, dict]) -> dict:
     """Each diagnostic that has run: its validation score and its change against the islands' chosen arm."""
     islands = chosen.chosen("islands", SWEEP_SEED)
@@ -470,7 +476,7 @@ def diagnostics(chosen: Plan, results: dict[str, dict]) -> dict:
     reference = quality.validation_score(results[islands.name])
     out = {}
     for name, (what, _) in DIAGNOSTICS.items():
-        if (result := results.get(replace(islands, diagnostic=name).name)) is not None:
+        if (result := results.get(diagnostic_arm(islands, name).name)) is not None:
             score = quality.validation_score(result)
             out[name] = {"change": what, "validation": score, "relative_to_islands": score / reference - 1}
     return out
