@@ -101,6 +101,10 @@ DIAGNOSTICS = {
     "whole": ("the whole model every round, applied at once (1 fragment, tau 0; crossings as many rounds apart)",
               lambda raw: {"sync": {"inter_island_every": raw["sync"]["inter_island_every"] * raw["sync"]["transport"]["fragments"],
                                     "transport": {"fragments": 1, "tau": 0}}}),
+    # The same with the overlap kept: which of the two the gain of "whole" comes from.
+    "one-fragment": ("the whole model every round, overlapped as chosen (1 fragment; crossings as many rounds apart)",
+                     lambda raw: {"sync": {"inter_island_every": raw["sync"]["inter_island_every"] * raw["sync"]["transport"]["fragments"],
+                                           "transport": {"fragments": 1}}}),
     "fp32": ("crossings in fp32, not int4", lambda raw: {"sync": {"transport": {"compression": "none"}}}),
     # Only where the sweep chose Shampoo (the recipe's outer optimizer): the tuned Nesterov control.
     "nesterov": ("Nesterov's direction, not Shampoo's (same rate and momentum)",
