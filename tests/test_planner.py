@@ -139,6 +139,8 @@ def test_a_profile_leaves_the_islands_start_up_lag_to_the_start_up():
     from training.planning.profile import profile_rounds, summarise
     spec = spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6)
     assert profile_rounds(spec) == 2 + 4
+    # Applied tau steps into the next round, the first crossing's exchange waits there.
+    assert profile_rounds(spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6, tau=1)) == 3 + 4
     rounds = [{"compute_s": 0.4, "sync_s": 0.0} for _ in range(6)]
     exchanges = [{"blocked_s": 0.0, "seconds": {"publish": 0.0, "receive": 0.0, "outer_step": 0.0}}] * 6
     summaries = [SimpleNamespace(learner=k, rounds=rounds, exchanges=exchanges) for k in (0, 1)]

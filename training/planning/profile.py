@@ -67,10 +67,11 @@ class RunProfile:
 
 def settling_rounds(spec: RunSpec) -> int:
     """The rounds a profile does not time: the first (it builds the outer optimizer's state) and every
-    round up to the first that hears from another island. Learners start unevenly (a learner of
-    several processes starts later), and those that start early wait in that round for the others:
-    their start-up's lag, which `startup_s` holds, not a round's overhead."""
-    return first_crossing(spec) + 1
+    round up to the one that applies the first exchange to hear from another island (the next round,
+    where the exchange is applied `tau` steps into it). Learners start unevenly (a learner of several
+    processes starts later), and those that start early wait there for the others: their start-up's
+    lag, which `startup_s` holds, not a round's overhead."""
+    return first_crossing(spec) + 1 + (spec.sync.transport.tau > 0)
 
 
 def profile_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
