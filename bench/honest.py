@@ -92,18 +92,25 @@ CURVE_POINTS = 10
 # Each tuned kind is tried once more at its chosen settings with these (seed 0, validation split), and
 # keeps them where they help: the published work trained with both.
 STABILITY = {"qk_norm": True, "z_loss_weight": 1e-4}
+
+
+def rounds_between_crossings(raw: dict) -> int:
+    """Rounds between one fragment's crossings of islands: each of the F fragments crosses every
+    `inter_island_every` of its exchanges, one exchange in F rounds."""
+    return raw["sync"]["inter_island_every"] * raw["sync"]["transport"]["fragments"]
+
+
 # One change each to the islands' chosen arm, as overrides of its raw spec: what binds is what its
 # removal gains.
 DIAGNOSTICS = {
     "cross-every": ("islands cross at every exchange", lambda raw: {"sync": {"inter_island_every": 1}}),
-    # As many rounds between a fragment's crossings as before: every one of the F fragments' crossings
-    # came every `inter_island_every` of its exchanges, one exchange in F rounds.
+    # As many rounds between crossings as before (`rounds_between_crossings`).
     "whole": ("the whole model every round, applied at once (1 fragment, tau 0; crossings as many rounds apart)",
-              lambda raw: {"sync": {"inter_island_every": raw["sync"]["inter_island_every"] * raw["sync"]["transport"]["fragments"],
+              lambda raw: {"sync": {"inter_island_every": rounds_between_crossings(raw),
                                     "transport": {"fragments": 1, "tau": 0}}}),
     # The same with the overlap kept: which of the two the gain of "whole" comes from.
     "one-fragment": ("the whole model every round, overlapped as chosen (1 fragment; crossings as many rounds apart)",
-                     lambda raw: {"sync": {"inter_island_every": raw["sync"]["inter_island_every"] * raw["sync"]["transport"]["fragments"],
+                     lambda raw: {"sync": {"inter_island_every": rounds_between_crossings(raw),
                                            "transport": {"fragments": 1}}}),
     "fp32": ("crossings in fp32, not int4", lambda raw: {"sync": {"transport": {"compression": "none"}}}),
     # Only where the sweep chose Shampoo (the recipe's outer optimizer): the tuned Nesterov control.
@@ -732,7 +739,7 @@ def write_page(log: Log | None = None) -> None:
         raw["sync"]["rounds"] = SHAPED_LINK_ROUNDS
         CHOSEN_CONFIG.write_text(f"# The islands' arm {islands.name}, written by python -m bench.honest --table; "
                                  f"rounds set to the shaped-link run's.\n" + yaml.safe_dump(raw, sort_keys=False))
-    figure(results, plan(results), RESULTS / "sweeps.png")
+    figure(results, chosen, RESULTS / "sweeps.png")
     write_results_page("honest", page(table, results), sources=str(RESULTS), command="python -m bench.honest --table",
                        commit=table["commit"], date=table["date"])
     if log:
