@@ -20,7 +20,8 @@ same held-out documents, with the bits kept per document for a paired bootstrap.
 - `butterfly_today`: configs/brief.yaml as it is, untuned.
 
 Once the headline has its seeds, the islands' chosen arm runs again (seed 0) with one part of the
-method taken away at a time (`DIAGNOSTICS`): how much each costs on validation is what binds.
+method taken away at a time, and once with the bytes goal spent the other way (int8, half the crossings)
+(`DIAGNOSTICS`): what each change gains on validation is what binds.
 
 Every sweep runs on seed 0 and ranks by the validation split only (the mean over its evaluations);
 the held-out sets never choose anything. The chosen settings then run on seeds 1 and 2. Standard
@@ -113,6 +114,11 @@ DIAGNOSTICS = {
                      lambda raw: {"sync": {"inter_island_every": rounds_between_crossings(raw),
                                            "transport": {"fragments": 1}}}),
     "fp32": ("crossings in fp32, not int4", lambda raw: {"sync": {"transport": {"compression": "none"}}}),
+    # Not a removal but the other way to spend the bytes goal: twice the bits a value, half the crossings
+    # (int8's per-chunk scales as int4's, so no more bytes than the chosen arm).
+    "int8": ("crossings in int8, half as often (no more bytes)",
+             lambda raw: {"sync": {"inter_island_every": 2 * raw["sync"]["inter_island_every"],
+                                   "transport": {"compression": "int8"}}}),
     # Only where the sweep chose Shampoo (the recipe's outer optimizer): the tuned Nesterov control.
     "nesterov": ("Nesterov's direction, not Shampoo's (same rate and momentum)",
                  lambda raw: {"sync": {"outer": {"name": "nesterov"}}}),
