@@ -184,8 +184,8 @@ def batch_and_rate_sweep(results: dict[str, dict], arm_at, first_batch: int, fir
                          limits: tuple[int, int]) -> tuple[list, tuple[int, float] | None]:
     """Standard training's batch and learning rate, swept until both optima are interior: the rate at
     `first_batch` from `first_rates`, then at each neighbouring batch from that rate scaled by the square
-    root of the batch ratio (one factor of 2 either side), batches halved or doubled past a winning
-    edge within `limits`. `arm_at(batch, lr)` is the arm at a setting. Returns the arms still to run,
+    root of the batch ratio (one factor of 2 either side), batches within `limits`, halved or doubled
+    past a winning edge. `arm_at(batch, lr)` is the arm at a setting. Returns the arms still to run,
     and (batch, learning rate) once chosen."""
     def lr_sweep(batch: int, start: tuple[float, ...]):
         return interior_sweep(results, lambda lr: arm_at(batch, lr), start)
@@ -193,7 +193,8 @@ def batch_and_rate_sweep(results: dict[str, dict], arm_at, first_batch: int, fir
     todo, first = lr_sweep(first_batch, first_rates)
     if first is None:
         return todo, None
-    batches, best = [first_batch // 2, first_batch, first_batch * 2], {first_batch: first}
+    batches = [b for b in (first_batch // 2, first_batch, first_batch * 2) if limits[0] <= b <= limits[1]]
+    best = {first_batch: first}
     while True:
         todo = []
         for batch in batches:

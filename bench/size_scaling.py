@@ -4,7 +4,7 @@ Dense byte GPTs at three sizes (about 0.2 M, 0.44 M and 1 M parameters) train on
 data for 20 tokens per parameter. At each size:
 
 - standard training's global batch and learning rate are swept on the validation split until both
-  optima are interior (`quality.batch_and_rate_sweep`);
+  optima are interior (`quality.batch_and_rate_sweep`), from the next smaller size's optimum;
 - DiLoCo runs with M learners on M one-learner islands, through the real learner path (learner
   processes exchanging through the store, exact means every round: `allreduce` mode), H = 30 inner
   steps, an outer Nesterov step (momentum 0.9), at standard training's chosen global batch (B / M rows
@@ -169,15 +169,19 @@ def plan(results: dict[str, dict]) -> Plan:
     inner rate's factor, swept at the smallest size and kept at the larger ones)."""
     out = Plan([], {}, {})
     smallest = next(iter(SIZES))
+    first_batch, first_rates = FIRST_BATCH, FIRST_LEARNING_RATES
     for size in SIZES:
         todo, chosen = quality.batch_and_rate_sweep(
             results, lambda batch, lr, size=size: SizeArm("standard", size, lr, batch),
-            FIRST_BATCH, FIRST_LEARNING_RATES, BATCH_LIMITS)
+            first_batch, first_rates, BATCH_LIMITS)
         out.todo += todo
         if chosen is None:
             break
         out.standard[size] = chosen
         batch, lr = chosen
+        # The next size's sweep starts where this one ended: the sweep still runs until both optima are
+        # interior, in fewer arms where the optimum moves little with size.
+        first_batch, first_rates = batch, tuple(quality.nice(lr * k) for k in (0.5, 1, 2))
         for m in LEARNERS:
             if size == smallest:
                 todo, outer = quality.interior_sweep(

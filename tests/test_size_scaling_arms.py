@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bench.size_scaling import (LEARNERS, SIZES, TOKENS_PER_PARAMETER, SizeArm, figure, gap_fit, parameters, plan,
+from bench.size_scaling import (BATCH_LIMITS, LEARNERS, SIZES, TOKENS_PER_PARAMETER, SizeArm, figure, gap_fit, parameters, plan,
                                 summary)
 from training.baseline import BaselinePlan
 
@@ -79,6 +79,24 @@ def test_sweeps_end_interior_and_every_size_runs_every_m_at_its_chosen_settings(
     assert table["fits"]["8"]["slope_per_decade"] > 0  # the stand-in's gap grows as its bpb falls
     figure(table, tmp_path / "gap.png")
     assert (tmp_path / "gap.png").stat().st_size > 10_000
+
+
+def test_no_batch_outside_the_limits_runs_and_each_size_starts_from_the_smaller_ones_optimum():
+    results, order = {}, []
+    for _ in range(400):
+        todo = plan(results).todo
+        if not todo:
+            break
+        order.append(todo[0])
+        results[todo[0].name] = scored(todo[0], best_batch=BATCH_LIMITS[0])
+    chosen = plan(results)
+    assert not chosen.todo and all(chosen.standard[size][0] == BATCH_LIMITS[0] for size in SIZES)
+    assert all(BATCH_LIMITS[0] <= arm.batch <= BATCH_LIMITS[1] for arm in order)
+    for smaller, larger in zip(SIZES, list(SIZES)[1:]):
+        first = next(arm for arm in order if arm.size == larger)
+        assert (first.batch, first.lr) == (BATCH_LIMITS[0], pytest.approx(chosen.standard[smaller][1] / 2, rel=0.03))
+    # From the optimum, a larger size's standard sweep is the rate at that batch and at twice it.
+    assert len([arm for arm in order if arm.size == list(SIZES)[1] and arm.kind == "standard"]) == 6
 
 
 def test_the_gap_fit_is_a_line_in_log10_parameters():
