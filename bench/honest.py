@@ -723,6 +723,15 @@ def page(table: dict, results: dict[str, dict]) -> str:
         lines += ["Against (b), mean of 3 seeds: " + ", ".join(f"{e} {r:+.2%}" for e, r in against_b.items()) +
                   (": met." if met else "; not met, short by " +
                    ", ".join(f"{r - GOAL:.2%} on {e}" for e, r in against_b.items()) + "."), ""]
+    # token_ratio_to_c is the islands' standard-training tokens over (c)'s: its inverse is how many times the
+    # islands' tokens (c) is worth.
+    worth = {e: 1 / statistics.fmean(v["token_ratio_to_c"]) for e, v in table["evaluations"].items()
+             if "token_ratio_to_c" in v}
+    if worth:
+        extrapolated = any(table["evaluations"][e]["token_ratio_extrapolated"] for e in worth)
+        lines += ["Against (c), in standard training's tokens" + (" (extrapolated past its curve)" if extrapolated else "")
+                  + ": (c)'s bpb is worth " + ", ".join(f"{w:.2f}x the islands' on {e}" for e, w in worth.items())
+                  + (": met." if all(w <= TOKEN_RATIO_GOAL for w in worth.values()) else "; not met."), ""]
     lines += ["## Sweeps (seed 0, validation split)", "",
               "![validation bpb against the learning rate](../../bench/results/honest/sweeps.png)", "",
               "| arm | validation bpb (mean over evaluations) | train s |", "|---|---|---|"]

@@ -3,12 +3,13 @@ scores): equal tokens at 20 per active parameter, sweeps that end only at interi
 included, and the tokens standard training needs to reach a bpb."""
 
 import math
+import statistics
 from dataclasses import replace
 
 import pytest
 
 from bench.honest import (BATCH_LIMITS, BYTES_GOAL, DIAGNOSTICS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, figure,
-                          inter_island_reduction, most_frequent_crossing, outer_momentum, plan, summary,
+                          inter_island_reduction, most_frequent_crossing, outer_momentum, page, plan, summary,
                           tokens_to_reach)
 from training.baseline import BaselinePlan
 from training.model.registry import build_model
@@ -139,6 +140,8 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert [c["seed"] for c in table["communication"]["counted"]] == list(SEEDS)
     figure(results, chosen, tmp_path / "sweeps.png")
     assert (tmp_path / "sweeps.png").stat().st_size > 10_000
+    worth = 1 / statistics.fmean(entry["token_ratio_to_c"])
+    assert f"(c)'s bpb is worth {worth:.2f}x the islands' on code" in page(table, results)
 
 
 def test_an_islands_batch_that_does_not_divide_into_whole_rows_and_steps_is_refused_by_name():
