@@ -16,12 +16,14 @@ same held-out documents, with the bits kept per document for a paired bootstrap.
   rate, its outer momentum, its global batch (rows per inner step, inner steps per round scaled
   inversely), then how often the islands cross, down to the most frequent crossing that still moves
   at least 100x fewer inter-island bytes than per-step all-reduce (the bytes goal is a constraint, the
-  validation score the objective);
+  validation score the objective); last, with QK-LayerNorm and z-loss as chosen, how the bytes goal is
+  spent: the recipe's int4 at that interval, or int8 or fp32 each at its own most frequent crossing
+  within the goal (`spending_sweep`);
 - `butterfly_today`: configs/brief.yaml as it is, untuned.
 
-Once the headline has its seeds, the islands' chosen arm runs again (seed 0) with one part of the
-method taken away at a time, and once with the bytes goal spent the other way (int8, half the crossings)
-(`DIAGNOSTICS`): what each change gains on validation is what binds.
+Once the headline has its seeds, the islands' arm as swept (the recipe's int4 crossings) runs again
+(seed 0) with one part of the method taken away at a time (`DIAGNOSTICS`): what each change gains on
+validation is what binds.
 
 Every sweep runs on seed 0 and ranks by the validation split only (the mean over its evaluations);
 the held-out sets never choose anything. The chosen settings then run on seeds 1 and 2. Standard
@@ -114,15 +116,13 @@ DIAGNOSTICS = {
                      lambda raw: {"sync": {"inter_island_every": rounds_between_crossings(raw),
                                            "transport": {"fragments": 1}}}),
     "fp32": ("crossings in fp32, not int4", lambda raw: {"sync": {"transport": {"compression": "none"}}}),
-    # Not a removal but the other way to spend the bytes goal: twice the bits a value, half the crossings
-    # (int8's per-chunk scales as int4's, so no more bytes than the chosen arm).
-    "int8": ("crossings in int8, half as often (no more bytes)",
-             lambda raw: {"sync": {"inter_island_every": 2 * raw["sync"]["inter_island_every"],
-                                   "transport": {"compression": "int8"}}}),
     # Only where the sweep chose Shampoo (the recipe's outer optimizer): the tuned Nesterov control.
     "nesterov": ("Nesterov's direction, not Shampoo's (same rate and momentum)",
                  lambda raw: {"sync": {"outer": {"name": "nesterov"}}}),
 }
+# The other ways to spend the bytes goal than the recipe's int4: each at its own most frequent crossing
+# within the goal (arm name: transport.compression).
+COMPRESSIONS = {"int8": "int8", "fp32": "none"}
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
 BYTES_GOAL = 100  # at least 100x fewer inter-island bytes than per-step all-reduce, counted
@@ -210,7 +210,8 @@ class HonestArm:
     recipe's); `stable`: the model with QK-LayerNorm and z-loss
     (`STABILITY`); `batch`: standard training's global batch, or the islands' rows per inner step over all
     learners (None: the recipe's); `outer_momentum`: None for the outer optimizer's own; `diagnostic`: a
-    key of DIAGNOSTICS; `crossing_every`: the islands' `sync.inter_island_every` (None: the recipe's)."""
+    key of DIAGNOSTICS; `crossing_every`: the islands' `sync.inter_island_every` (None: the recipe's);
+    `compression`: a key of COMPRESSIONS (None: the recipe's)."""
 
     kind: str
     seed: int
@@ -222,6 +223,7 @@ class HonestArm:
     stable: bool = False
     diagnostic: str | None = None
     crossing_every: int | None = None
+    compression: str | None = None
 
     @property
     def family(self) -> str:
@@ -237,7 +239,8 @@ class HonestArm:
                    (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "") + \
                    (f"-m{self.outer_momentum:g}" if self.outer_momentum is not None else "") + \
                    (f"-b{self.batch}" if self.batch is not None else "") + \
-                   (f"-x{self.crossing_every}" if self.crossing_every is not None else "")
+                   (f"-x{self.crossing_every}" if self.crossing_every is not None else "") + \
+                   (f"-{self.compression}" if self.compression is not None else "")
         diagnostic = f"-{self.diagnostic}" if self.diagnostic else ""
         return f"{'c' if self.kind == 'single' else self.kind}{settings}{stable}{diagnostic}-s{self.seed}"
 
@@ -260,6 +263,8 @@ class HonestArm:
             overrides["sync"] = {"outer": outer}
         if self.crossing_every is not None:
             overrides.setdefault("sync", {})["inter_island_every"] = self.crossing_every
+        if self.compression is not None:
+            overrides.setdefault("sync", {})["transport"] = {"compression": COMPRESSIONS[self.compression]}
         raw = merged(raw, overrides)
         return merged(raw, DIAGNOSTICS[self.diagnostic][1](raw)) if self.diagnostic else raw
 
@@ -282,6 +287,9 @@ class Plan:
     islands: HonestArm | None = None
     islands_final: bool = False  # whether the islands' sweep is finished; until then `islands` is its best so far
     stable: dict[str, bool] = field(default_factory=dict)  # kind: whether QK-LayerNorm and z-loss helped it
+    # The islands' (compression, crossing interval), chosen last among COMPRESSIONS and the recipe's
+    # int4; None until every candidate has run, the swept arm's until then.
+    spending: tuple[str | None, int | None] | None = None
 
     def swept(self, kind: str, seed: int) -> HonestArm | None:
         """The arm of `kind` at the settings its sweep chose, on `seed`; None while the sweep is not finished."""
@@ -292,12 +300,20 @@ class Plan:
         chosen = self.c if kind == "single" else self.islands
         return chosen and replace(chosen, seed=seed)
 
-    def chosen(self, kind: str, seed: int) -> HonestArm | None:
-        """The arm of `kind` at its chosen settings on `seed`, stability included; None until chosen."""
+    def before_spending(self, kind: str, seed: int) -> HonestArm | None:
+        """The arm of `kind` at its swept settings on `seed`, stability included; None until chosen."""
         arm = self.swept(kind, seed)
         if arm is None or kind == "butterfly_today":
             return arm
         return replace(arm, stable=self.stable[kind]) if kind in self.stable else None
+
+    def chosen(self, kind: str, seed: int) -> HonestArm | None:
+        """The arm of `kind` at its chosen settings on `seed`: the islands' with the compression and
+        crossing interval chosen for them once they are."""
+        arm = self.before_spending(kind, seed)
+        if arm is None or kind != "islands" or self.spending is None:
+            return arm
+        return replace(arm, compression=self.spending[0], crossing_every=self.spending[1])
 
 
 def standard_sweep(results: dict[str, dict]) -> list[dict]:
@@ -414,11 +430,28 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
     return todo, min(finished, key=lambda arm: quality.validation_score(results[arm.name]), default=None)
 
 
+def spending_sweep(results: dict[str, dict], islands: HonestArm) -> tuple[list[HonestArm], tuple | None]:
+    """How the islands spend the bytes goal, ranked on validation: the recipe's int4 at the swept interval,
+    or each of COMPRESSIONS at its own most frequent crossing within the goal (never more frequent than
+    the swept interval). Returns the arms still to run, and (compression, crossing interval) once chosen."""
+    arms = [islands]
+    for name in COMPRESSIONS:
+        candidate = replace(islands, compression=name)
+        every = max(islands.crossing_every or recipe_crossing_every(), most_frequent_crossing(candidate))
+        arms.append(replace(candidate, crossing_every=None if every == recipe_crossing_every() else every))
+    todo = [arm for arm in arms if arm.name not in results]
+    if todo:
+        return todo, None
+    best = min(arms, key=lambda arm: quality.validation_score(results[arm.name]))
+    return [], (best.compression, best.crossing_every)
+
+
 def plan(results: dict[str, dict]) -> Plan:
     """The islands and today's butterfly at the recipe's settings first (the first reading of the
-    headline), then the islands' and (b)'s sweeps, each with QK-LayerNorm and z-loss, and their seeds 1, 2
-    (the headline), then the islands' diagnostics; (c)'s sweep, stability and seeds last, since (c) only
-    sets the token ratio."""
+    headline), then the islands' and (b)'s sweeps, each with QK-LayerNorm and z-loss, the islands' way of
+    spending the bytes goal, and their seeds 1, 2 (the headline); then (c)'s sweep, stability and seeds
+    (the token ratio); the diagnostics of the islands' swept arm last, since they explain the headline
+    rather than make it."""
     out = Plan([])
     inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
@@ -443,11 +476,14 @@ def plan(results: dict[str, dict]) -> Plan:
         return todo + [arm for seed in SEEDS for kind in kinds if (arm := out.chosen(kind, seed))]
 
     # The headline's pair on every seed before today's butterfly, the reference it is read beside.
-    out.todo += tuned(("standard", "islands")) + tuned(("butterfly_today",))
-    if out.islands_final and (islands := out.chosen("islands", SWEEP_SEED)) is not None:
-        out.todo += [diagnostic_arm(islands, name) for name in DIAGNOSTICS
-                     if name != "nesterov" or islands.outer_optimizer is None]
-    out.todo += single_todo + tuned(("single",))
+    out.todo += tuned(("standard", "islands"))
+    if out.islands_final and (swept := out.before_spending("islands", SWEEP_SEED)) is not None:
+        todo, out.spending = spending_sweep(results, swept)
+        out.todo += todo + [out.chosen("islands", seed) for seed in SEEDS]
+    out.todo += tuned(("butterfly_today",)) + single_todo + tuned(("single",))
+    if out.islands_final and (swept := out.before_spending("islands", SWEEP_SEED)) is not None:
+        out.todo += [diagnostic_arm(swept, name) for name in DIAGNOSTICS
+                     if name != "nesterov" or swept.outer_optimizer is None]
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
 
@@ -486,8 +522,8 @@ def diagnostic_arm(islands: HonestArm, name: str) -> HonestArm:
 
 
 def diagnostics(chosen: Plan, results: dict[str, dict]) -> dict:
-    """Each diagnostic that has run: its validation score and its change against the islands' chosen arm."""
-    islands = chosen.chosen("islands", SWEEP_SEED)
+    """Each diagnostic that has run: its validation score and its change against the islands' swept arm."""
+    islands = chosen.before_spending("islands", SWEEP_SEED)
     if islands is None or islands.name not in results:
         return {}
     reference = quality.validation_score(results[islands.name])
@@ -589,8 +625,11 @@ def summary(results: dict[str, dict]) -> dict:
                                           else outer_momentum(arm.outer_optimizer),
                                           "global_batch": arm.batch or recipe_batch(),
                                           **({"inter_island_every": arm.crossing_every or recipe_crossing_every(),
-                                              "final": chosen.islands_final} if name == "islands" else {})}
-                           for name, arm in (("c", chosen.c), ("islands", chosen.islands))},
+                                              "compression": arm.spec().sync.transport.compression,
+                                              "final": chosen.islands_final and chosen.spending is not None}
+                                             if name == "islands" else {})}
+                           for name, arm in (("c", chosen.c),
+                                             ("islands", chosen.chosen("islands", SWEEP_SEED) or chosen.islands))},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
            "gap_steps": gap_steps(chosen, results), "diagnostics": diagnostics(chosen, results),
            "communication": communication(chosen, results),
@@ -644,7 +683,8 @@ def figure(results: dict[str, dict], chosen: Plan, path: Path) -> None:
 def learner_settings(chosen: dict | None) -> str:
     if not chosen:
         return "sweep not finished"
-    crossing = f", crossing every {chosen['inter_island_every']} exchanges" if "inter_island_every" in chosen else ""
+    crossing = (f", crossing every {chosen['inter_island_every']} exchanges in {chosen['compression']}"
+                if "inter_island_every" in chosen else "")
     best_so_far = "" if chosen.get("final", True) else " (the best so far: its sweep goes on)"
     return (f"inner learning rate {chosen['inner_lr']:g}, outer {chosen['outer_lr']:g} ({chosen['outer_optimizer']}, "
             f"momentum {chosen['outer_momentum']:g}), global batch {chosen['global_batch']}{crossing}{best_so_far}")

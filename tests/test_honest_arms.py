@@ -68,7 +68,8 @@ def scored(arm, best_batch: int) -> dict:
         # The islands cross best every 5th exchange (the recipe: every 15th).
         value = 2.2 + (math.log(arm.lr) - math.log(3e-3)) ** 2 + (arm.outer_lr - best[1]) ** 2 \
             + 0.05 * (arm.outer_optimizer != best[0]) + 0.1 * abs(math.log2((arm.batch or 48) / (best[2] or 48))) \
-            + 0.1 * (momentum - 0.5) ** 2 + 0.01 * abs(math.log((arm.crossing_every or 15) / 5))
+            + 0.1 * (momentum - 0.5) ** 2 + 0.01 * abs(math.log((arm.crossing_every or 15) / 5)) \
+            - {"int8": 0.02, "fp32": 0.005}.get(arm.compression, 0)  # int8 spends the bytes goal best
     if arm.stable:  # QK-LayerNorm and z-loss help the islands only
         value += -0.01 if arm.kind == "islands" else 0.01
     curve = [{"tokens": t, "bpb": {"code": value + 1 / t ** 0.5, "prose": value + 1 / t ** 0.5}}
@@ -117,8 +118,21 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert chosen.stable == {"standard": False, "single": False, "islands": True}
     assert all(r["stable"] == (r["kind"] == "islands") for r in results.values() if r["seed"] != 0)
     assert {r["seed"] for r in results.values() if r["kind"] == "islands"} == set(SEEDS)
-    kinds = [r["kind"] for r in results.values()]  # in the order they ran: the headline's seeds before (c)
-    assert max(i for i, kind in enumerate(kinds) if kind != "single") < kinds.index("single")
+    # The bytes goal spent as int8 at its most frequent crossing within the goal, no more often than the
+    # swept interval; the headline's islands on every seed at that.
+    int8 = replace(islands, compression="int8", stable=True)
+    assert chosen.spending == ("int8", max(islands.crossing_every, most_frequent_crossing(int8)))
+    assert all(chosen.chosen("islands", seed).name in results for seed in SEEDS)
+    assert inter_island_reduction(chosen.chosen("islands", 0)) >= BYTES_GOAL
+    fp32 = replace(islands, compression="fp32", stable=True)
+    fp32 = replace(fp32, crossing_every=max(islands.crossing_every, most_frequent_crossing(fp32)))
+    assert fp32.name in results and fp32.spec().sync.transport.compression == "none"
+    assert fp32.crossing_every > chosen.spending[1] and inter_island_reduction(fp32) >= BYTES_GOAL
+    # In the order they ran: the headline's seeds before (c), the diagnostics (of the swept arm) after it.
+    kinds = [(r["kind"], any(r["arm"].endswith(f"-{d}-s0") for d in DIAGNOSTICS)) for r in results.values()]
+    single = kinds.index(("single", False))
+    assert all(i < single for i, (kind, diagnostic) in enumerate(kinds) if kind in ("standard", "islands") and not diagnostic)
+    assert all(i > single for i, (_, diagnostic) in enumerate(kinds) if diagnostic)
     diagnosed = [name for name in results if any(name.endswith(f"-{d}-s0") for d in DIAGNOSTICS)]
     # Nesterov's control only where Shampoo was chosen (here plain averaging was).
     assert len(diagnosed) == len(DIAGNOSTICS) - 1 and all(name.startswith("islands-") for name in diagnosed)
