@@ -430,15 +430,22 @@ def learner_sweep(results: dict[str, dict], kind: str) -> tuple[list[HonestArm],
     return todo, min(finished, key=lambda arm: quality.validation_score(results[arm.name]), default=None)
 
 
-def spending_sweep(results: dict[str, dict], islands: HonestArm) -> tuple[list[HonestArm], tuple | None]:
-    """How the islands spend the bytes goal, ranked on validation: the recipe's int4 at the swept interval,
-    or each of COMPRESSIONS at its own most frequent crossing within the goal (never more frequent than
-    the swept interval). Returns the arms still to run, and (compression, crossing interval) once chosen."""
+def spending_arms(islands: HonestArm) -> list[HonestArm]:
+    """The ways to spend the bytes goal from the islands' swept arm: the recipe's int4 at the swept
+    interval, or each of COMPRESSIONS at its own most frequent crossing within the goal (never more
+    frequent than the swept interval)."""
     arms = [islands]
     for name in COMPRESSIONS:
         candidate = replace(islands, compression=name)
         every = max(islands.crossing_every or recipe_crossing_every(), most_frequent_crossing(candidate))
         arms.append(replace(candidate, crossing_every=None if every == recipe_crossing_every() else every))
+    return arms
+
+
+def spending_sweep(results: dict[str, dict], islands: HonestArm) -> tuple[list[HonestArm], tuple | None]:
+    """How the islands spend the bytes goal (`spending_arms`), ranked on validation. Returns the arms still
+    to run, and (compression, crossing interval) once chosen."""
+    arms = spending_arms(islands)
     todo = [arm for arm in arms if arm.name not in results]
     if todo:
         return todo, None
@@ -519,6 +526,18 @@ def diagnostic_arm(islands: HonestArm, name: str) -> HonestArm:
     """The islands' arm with diagnostic `name`. Crossing at every exchange sets the interval itself, so
     it is one arm (and one run) whatever interval the islands chose."""
     return replace(islands, diagnostic=name, crossing_every=None if name == "cross-every" else islands.crossing_every)
+
+
+def spending(chosen: Plan, results: dict[str, dict]) -> list[dict]:
+    """Each way of spending the bytes goal that has run (seed 0): its compression, crossing interval,
+    planned reduction against the per-step ring all-reduce, and validation score."""
+    islands = chosen.before_spending("islands", SWEEP_SEED) if chosen.islands_final else None
+    if islands is None:
+        return []
+    return [{"arm": arm.name, "compression": arm.compression or islands.spec().sync.transport.compression,
+             "inter_island_every": arm.spec().sync.inter_island_every,
+             "reduction_planned": inter_island_reduction(arm), "validation": quality.validation_score(results[arm.name])}
+            for arm in spending_arms(islands) if arm.name in results]
 
 
 def diagnostics(chosen: Plan, results: dict[str, dict]) -> dict:
@@ -631,7 +650,8 @@ def summary(results: dict[str, dict]) -> dict:
                            for name, arm in (("c", chosen.c),
                                              ("islands", chosen.chosen("islands", SWEEP_SEED) or chosen.islands))},
                         "qk_norm_and_z_loss": {name: chosen.stable[kind] for name, kind in KINDS.items() if kind in chosen.stable}},
-           "gap_steps": gap_steps(chosen, results), "diagnostics": diagnostics(chosen, results),
+           "gap_steps": gap_steps(chosen, results), "spending": spending(chosen, results),
+           "diagnostics": diagnostics(chosen, results),
            "communication": communication(chosen, results),
            "still_to_run": [a.name for a in chosen.todo], "evaluations": {}}
     for evaluation in (any_result["bpb"] if any_result else {}):
@@ -728,8 +748,17 @@ def page(table: dict, results: dict[str, dict]) -> str:
         lines += [f"| {s['from']} | {s['to']} | {s['from_validation']:.4f} to {s['to_validation']:.4f} | {s['change']:+.2%} |"
                   for s in table["gap_steps"]]
         lines.append("")
+    if table["spending"]:
+        lines += ["How the islands spend the bytes goal, chosen last (with QK-LayerNorm and z-loss as kept): each "
+                  "compression at its most frequent crossing within the goal.", "",
+                  "| compression | crossing every | fewer bytes than the ring all-reduce (planned) | validation bpb |",
+                  "|---|---|---|---|"]
+        lines += [f"| {s['compression']} | {s['inter_island_every']} | {s['reduction_planned']:.0f}x | {s['validation']:.4f} |"
+                  for s in table["spending"]]
+        lines.append("")
     if table["diagnostics"]:
-        lines += ["The islands' chosen arm with one change each; a negative change is a gain.", "",
+        lines += ["The islands' arm as swept (int4 crossings at the swept interval, before the bytes goal's spending "
+                  "is chosen) with one change each; a negative change is a gain.", "",
                   "| change | validation bpb | against the islands |", "|---|---|---|"]
         lines += [f"| {d['change']} | {d['validation']:.4f} | {d['relative_to_islands']:+.2%} |"
                   for d in table["diagnostics"].values()]

@@ -141,6 +141,8 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert set(entry) >= {"b", "c", "islands", "butterfly_today", "relative_to_b", "bootstrap_ci_to_b", "token_ratio_to_c"}
     assert len(entry["islands"]) == len(SEEDS) and table["tokens_per_active_parameter"] == TOKENS_PER_ACTIVE_PARAMETER
     assert set(table["diagnostics"]) == set(DIAGNOSTICS) - {"nesterov"}
+    assert [s["compression"] for s in table["spending"]] == ["int4", "int8", "fp32"]
+    assert min(table["spending"], key=lambda s: s["validation"])["inter_island_every"] == chosen.spending[1]
     # The gap taken apart: (b)'s best to standard training at the islands' batch (24) to the islands, and
     # through (c) where standard training ran at (c)'s batch (the recipe's 48).
     steps = {(s["from_arm"], s["to_arm"]): s["change"] for s in table["gap_steps"]}
