@@ -123,33 +123,36 @@ def test_the_link_for_a_goal_is_the_slowest_that_reaches_it():
 
 def test_a_profile_covers_whole_periods_of_the_modes_island_crossings():
     from training.planning.profile import PROFILE_ROUNDS, profile_rounds
-    assert profile_rounds(spec_of("allreduce", fragments=2)) == PROFILE_ROUNDS
-    assert profile_rounds(spec_of("hierarchical")) == PROFILE_ROUNDS  # it crosses every round
+    # The last round, untimed, comes after the timed ones.
+    assert profile_rounds(spec_of("allreduce", fragments=2)) == PROFILE_ROUNDS + 1
+    assert profile_rounds(spec_of("hierarchical")) == PROFILE_ROUNDS + 1  # it crosses every round
     # 8 learners make 3 butterfly stages; 2 fragments; pairs across islands meet every 5th cycle.
     # Both first cross islands in round 28, so their rounds are timed from round 29 on.
-    assert profile_rounds(spec_of("butterfly", fragments=2, learners=4, inter_island_every=5)) == 29 + 2 * 3 * 5
-    assert profile_rounds(spec_of("hierarchical", fragments=2, learners=4, inter_island_every=15)) == 29 + 2 * 15
+    assert profile_rounds(spec_of("butterfly", fragments=2, learners=4, inter_island_every=5)) == 29 + 2 * 3 * 5 + 1
+    assert profile_rounds(spec_of("hierarchical", fragments=2, learners=4, inter_island_every=15)) == 29 + 2 * 15 + 1
 
 
 def test_a_profile_leaves_the_islands_start_up_lag_to_the_start_up():
     """Learner 1 starts 3.5 s after learner 0, which waits for it in the first round that crosses
     islands (round 1: every 2nd exchange of one fragment): the wait is learner 1's late start, not a
-    round's overhead."""
+    round's overhead. The last round drains the exchanges in flight and writes the final checkpoint
+    (2 s more than a timed round here), once a run: the teardown's, not a round's."""
     from types import SimpleNamespace
     from training.planning.profile import profile_rounds, summarise
     spec = spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6)
-    assert profile_rounds(spec) == 2 + 4
+    assert profile_rounds(spec) == 2 + 4 + 1
     # Applied tau steps into the next round, the first crossing's exchange waits there.
-    assert profile_rounds(spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6, tau=1)) == 3 + 4
-    rounds = [{"compute_s": 0.4, "sync_s": 0.0} for _ in range(6)]
-    exchanges = [{"blocked_s": 0.0, "seconds": {"publish": 0.0, "receive": 0.0, "outer_step": 0.0}}] * 6
+    assert profile_rounds(spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6, tau=1)) == 3 + 4 + 1
+    rounds = [{"compute_s": 0.4, "sync_s": 0.0} for _ in range(7)]
+    exchanges = [{"blocked_s": 0.0, "seconds": {"publish": 0.0, "receive": 0.0, "outer_step": 0.0}}] * 7
     summaries = [SimpleNamespace(learner=k, rounds=rounds, exchanges=exchanges) for k in (0, 1)]
-    ends = {0: [1.0, 5.0, 5.5, 6.0, 6.5, 7.0], 1: [4.5, 5.0, 5.5, 6.0, 6.5, 7.0]}
-    profile = summarise(spec, summaries, ends, exits={0: 7.5, 1: 7.5})
+    ends = {0: [1.0, 5.0, 5.5, 6.0, 6.5, 7.0, 9.5], 1: [4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 9.5]}
+    profile = summarise(spec, summaries, ends, exits={0: 10.0, 1: 10.0})
     assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.1})
     assert profile.startup_s == pytest.approx(4.5 - 0.4 - 0.1)
-    with pytest.raises(ValueError, match="times the rounds after the first 2"):
-        summarise(spec, summaries, {0: [1.0, 5.0], 1: [4.5, 5.0]}, exits={0: 7.5, 1: 7.5})
+    assert profile.teardown_s == pytest.approx(0.5 + 2.0)
+    with pytest.raises(ValueError, match="times the rounds after the first 2, before the last"):
+        summarise(spec, summaries, {0: [1.0, 5.0, 5.5], 1: [4.5, 5.0, 5.5]}, exits={0: 7.5, 1: 7.5})
 
 
 @pytest.mark.integration  # the CLI in a process of its own, with learners
@@ -216,30 +219,34 @@ def test_a_profiled_round_overhead_and_start_and_end_add_to_the_plan():
 def test_a_profile_is_read_from_round_ends_and_per_round_compute():
     from types import SimpleNamespace
     from training.planning.profile import summarise
-    spec = spec_of(steps=(4, 2), learners=1, rounds=3)
+    spec = spec_of(steps=(4, 2), learners=1, rounds=4)
     def rounds(compute, checkpoint_s):
         return [{"compute_s": c, "sync_s": 0.05, "checkpoint_s": checkpoint_s} for c in compute]
 
     def exchanges(outer_steps):
         return [{"blocked_s": 0.01, "seconds": {"publish": 0.02, "receive": 0.0, "outer_step": s}} for s in outer_steps]
 
-    summaries = [SimpleNamespace(learner=0, rounds=rounds((0.5, 0.4, 0.4), 0.03), exchanges=exchanges((9.0, 0.1, 0.3))),
-                 SimpleNamespace(learner=1, rounds=rounds((0.6, 0.6, 0.6), 0.0), exchanges=exchanges((9.0, 0.2, 0.2)))]
+    # The last round's parts are left out like the first's (its outer step here 5 s).
+    summaries = [SimpleNamespace(learner=0, rounds=rounds((0.5, 0.4, 0.4, 0.4), 0.03),
+                                 exchanges=exchanges((9.0, 0.1, 0.3, 5.0))),
+                 SimpleNamespace(learner=1, rounds=rounds((0.6, 0.6, 0.6, 0.6), 0.0),
+                                 exchanges=exchanges((9.0, 0.2, 0.2, 5.0)))]
     # Learner 0's rounds end 0.5 s apart: 0.4 s of inner steps and 0.1 s besides; learner 1's 0.8 s apart.
-    ends = {0: [5.0, 5.5, 6.0], 1: [6.0, 6.8, 7.6]}
-    profile = summarise(spec, summaries, ends, exits={0: 7.0, 1: 8.0})
+    ends = {0: [5.0, 5.5, 6.0, 6.5], 1: [6.0, 6.8, 7.6, 8.4]}
+    profile = summarise(spec, summaries, ends, exits={0: 7.5, 1: 9.4})
     assert profile.step_seconds == pytest.approx({"i0": 0.1, "i1": 0.3})
     assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.2})
     assert profile.startup_s == pytest.approx(6.0 - 0.6 - 0.2)
     assert profile.teardown_s == pytest.approx(1.0)
-    # The parts of a round, means over all rounds but the first (whose outer step builds the optimizer's state).
+    # The parts of a round, means over the timed rounds: not the first (whose outer step builds the
+    # optimizer's state), nor the last.
     assert profile.round_parts_s["i0"] == pytest.approx({
         "inner_steps": 0.4, "sync": 0.05, "waiting_for_exchange": 0.01, "checkpoint": 0.03,
         "publish": 0.02, "receive": 0.0, "outer_step": 0.2})
     assert profile.round_parts_s["i1"]["outer_step"] == pytest.approx(0.2)
     part, seconds = profile.largest_part("i0")
     assert part == "outer_step" and seconds == pytest.approx(0.2)
-    # 128 tokens a round on each island; two rounds each after the first, from 5.0 s to 7.6 s.
+    # 128 tokens a round on each island; two timed rounds each, from 5.0 s to 7.6 s.
     assert profile.tokens_per_s == pytest.approx(4 * 128 / 2.6)
 
 

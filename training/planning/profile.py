@@ -45,12 +45,14 @@ class RunProfile:
     # counts as often as it comes.
     round_overhead_s: dict[str, float]
     startup_s: float  # launch to the first inner step, slowest learner
-    teardown_s: float  # the last round's end to the process's exit, slowest learner
+    # The last round's end to the process's exit, with what the last round takes beyond a timed one
+    # (the exchanges still in flight, the final checkpoint), slowest learner.
+    teardown_s: float
     # Per island, mean seconds of a round's parts (`ROUND_PARTS`) over the same rounds: where the
     # overhead comes from. Means, so a checkpoint every k rounds counts 1/k of its cost.
     round_parts_s: dict[str, dict[str, float]] = field(default_factory=dict)
     # The learners together: the tokens of their timed rounds, over the span from the earliest end of a
-    # last settling round to the latest last round's end.
+    # last settling round to the latest end of a last timed round.
     tokens_per_s: float = 0.0
 
     def to_json(self) -> dict:
@@ -76,11 +78,12 @@ def settling_rounds(spec: RunSpec) -> int:
 
 def profile_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
     """The settling rounds (`settling_rounds`), then whole periods of the mode's peers and island
-    crossings (`SyncMode.period`), at least `at_least` - 1 timed rounds: a mode that crosses islands
-    only every so often spends its rounds unevenly."""
+    crossings (`SyncMode.period`), at least `at_least` - 1 timed rounds (a mode that crosses islands
+    only every so often spends its rounds unevenly), then the last round, untimed: it waits for the
+    exchanges still in flight and writes the final checkpoint, once a run, so it is the teardown's."""
     period = SYNC_MODES[spec.sync.mode].period(spec.sync.transport.fragments, len(spec.learners),
                                                spec.sync.inter_island_every)
-    return settling_rounds(spec) + period * math.ceil((at_least - 1) / period)
+    return settling_rounds(spec) + period * math.ceil((at_least - 1) / period) + 1
 
 
 def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = None) -> RunProfile:
@@ -132,7 +135,8 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = N
 
 def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exits: dict[int, float]) -> RunProfile:
     """The profile from each learner's summary (compute per round) and when its rounds ended, timed
-    from the end of the last settling round (`settling_rounds`)."""
+    from the end of the last settling round (`settling_rounds`) to the end of the last round but one;
+    what the last round takes beyond a timed one counts in `teardown_s`."""
     settle = settling_rounds(spec)
     steps: dict[str, list[float]] = {}
     overheads: dict[str, list[float]] = {}
@@ -141,29 +145,31 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
     for summary in summaries:
         island = spec.learners[summary.learner].island
         ends, compute = round_times[summary.learner], [r["compute_s"] for r in summary.rounds]
-        if len(ends) <= settle:
+        last = len(ends) - 1
+        if last <= settle:
             raise ValueError(f"learner {summary.learner} ran {len(ends)} rounds; a profile times the rounds "
-                             f"after the first {settle}")
-        steps.setdefault(island.name, []).extend(c / island.inner_steps for c in compute[settle:])
-        overhead = [later - earlier - c for earlier, later, c in zip(ends[settle - 1:], ends[settle:], compute[settle:])]
+                             f"after the first {settle}, before the last")
+        steps.setdefault(island.name, []).extend(c / island.inner_steps for c in compute[settle:last])
+        overhead = [ends[t] - ends[t - 1] - compute[t] for t in range(settle, last)]
         overheads.setdefault(island.name, []).extend(overhead)
         mine = parts.setdefault(island.name, {part: [] for part in ROUND_PARTS})
-        for r in summary.rounds[settle:]:
+        for r in summary.rounds[settle:last]:
             mine["inner_steps"].append(r["compute_s"])
             mine["sync"].append(r["sync_s"])
             mine["checkpoint"].append(r.get("checkpoint_s", 0.0))
-        for exchange in summary.exchanges[settle:]:
+        for exchange in summary.exchanges[settle:last]:
             mine["waiting_for_exchange"].append(exchange["blocked_s"])
             for part in ("publish", "receive", "outer_step"):
                 mine[part].append(exchange["seconds"][part])
         startups.append(ends[0] - compute[0] - statistics.median(overhead))
-        teardowns.append(exits[summary.learner] - ends[-1])
+        last_beyond_timed = ends[last] - ends[last - 1] - compute[last] - statistics.fmean(overhead)
+        teardowns.append(exits[summary.learner] - ends[last] + max(0.0, last_beyond_timed))
     return RunProfile({name: statistics.median(v) for name, v in steps.items()},
                       {name: max(0.0, statistics.fmean(v)) for name, v in overheads.items()},
                       max(startups), max(teardowns),
                       {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
                        for name, island_parts in parts.items()},
-                      sum(spec.learners[s.learner].tokens_per_round() * (len(round_times[s.learner]) - settle)
+                      sum(spec.learners[s.learner].tokens_per_round() * (len(round_times[s.learner]) - 1 - settle)
                           for s in summaries) /
-                      (max(ends[-1] for ends in round_times.values()) -
+                      (max(ends[-2] for ends in round_times.values()) -
                        min(ends[settle - 1] for ends in round_times.values())))
