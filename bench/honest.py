@@ -161,6 +161,11 @@ def recipe_crossing_every() -> int:
     return islands_recipe()["sync"]["inter_island_every"]
 
 
+def compression_name(arm: HonestArm) -> str:
+    """An arm's crossing compression by its sweep name: a key of COMPRESSIONS, or the recipe's own."""
+    return arm.compression or islands_recipe()["sync"]["transport"]["compression"]
+
+
 def outer_momentum(optimizer: str | None) -> float:
     """The outer momentum an optimizer of the sweep starts from (None: the recipe's)."""
     if optimizer is not None:
@@ -484,11 +489,12 @@ def plan(results: dict[str, dict]) -> Plan:
 
     # The headline's pair on every seed before today's butterfly, the reference it is read beside.
     out.todo += tuned(("standard", "islands"))
-    if out.islands_final and (swept := out.before_spending("islands", SWEEP_SEED)) is not None:
+    swept = out.before_spending("islands", SWEEP_SEED) if out.islands_final else None
+    if swept is not None:
         todo, out.spending = spending_sweep(results, swept)
         out.todo += todo + [out.chosen("islands", seed) for seed in SEEDS]
     out.todo += tuned(("butterfly_today",)) + single_todo + tuned(("single",))
-    if out.islands_final and (swept := out.before_spending("islands", SWEEP_SEED)) is not None:
+    if swept is not None:
         out.todo += [diagnostic_arm(swept, name) for name in DIAGNOSTICS
                      if name != "nesterov" or swept.outer_optimizer is None]
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
@@ -534,7 +540,7 @@ def spending(chosen: Plan, results: dict[str, dict]) -> list[dict]:
     islands = chosen.before_spending("islands", SWEEP_SEED) if chosen.islands_final else None
     if islands is None:
         return []
-    return [{"arm": arm.name, "compression": arm.compression or islands.spec().sync.transport.compression,
+    return [{"arm": arm.name, "compression": compression_name(arm),
              "inter_island_every": arm.spec().sync.inter_island_every,
              "reduction_planned": inter_island_reduction(arm), "validation": quality.validation_score(results[arm.name])}
             for arm in spending_arms(islands) if arm.name in results]
@@ -644,7 +650,7 @@ def summary(results: dict[str, dict]) -> dict:
                                           else outer_momentum(arm.outer_optimizer),
                                           "global_batch": arm.batch or recipe_batch(),
                                           **({"inter_island_every": arm.crossing_every or recipe_crossing_every(),
-                                              "compression": arm.spec().sync.transport.compression,
+                                              "compression": compression_name(arm),
                                               "final": chosen.islands_final and chosen.spending is not None}
                                              if name == "islands" else {})}
                            for name, arm in (("c", chosen.c),
