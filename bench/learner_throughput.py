@@ -77,7 +77,7 @@ def measure(config: str, at_least: int, per_core: bool = False) -> dict:
     rounds = profile_rounds(spec, at_least)
     spec = with_rounds(spec, rounds)
     with cpu_lock(CPU_LOCK):
-        profile = profile_run(spec, rounds=rounds)
+        profile = profile_run(spec, at_least=at_least)
         standard = standard_tokens_per_s(spec)
     learners = sum(island.learners for island in spec.islands)
     unlimited = plan_run(spec, profile.step_seconds, UNLIMITED_LINK_BPS, profile.startup_s, profile.round_overhead_s,

@@ -222,6 +222,8 @@ def plan(args: argparse.Namespace) -> int:
             part, seconds = profile.largest_part(island)
             print(f"island {island}: besides its inner steps ({parts['inner_steps']:.4f} s), a round's largest part "
                   f"is {part} ({seconds:.4f} s, {seconds / parts['inner_steps']:.0%} of them)")
+            print(f"island {island}: a checkpoint adds {profile.checkpoint_s[island]:.2f} s to the rounds it reaches, "
+                  f"every {spec.training.checkpoint_every} rounds ({parts['checkpoint']:.4f} s a round)")
     else:
         step_seconds, ready_s = complete_step_seconds(spec, given)
         for island in spec.islands:

@@ -123,36 +123,42 @@ def test_the_link_for_a_goal_is_the_slowest_that_reaches_it():
 
 def test_a_profile_covers_whole_periods_of_the_modes_island_crossings():
     from training.planning.profile import PROFILE_ROUNDS, profile_rounds
-    # The last round, untimed, comes after the timed ones.
-    assert profile_rounds(spec_of("allreduce", fragments=2)) == PROFILE_ROUNDS + 1
-    assert profile_rounds(spec_of("hierarchical")) == PROFILE_ROUNDS + 1  # it crosses every round
+    # After the timed rounds, a checkpoint's round and the next (no overlap), then the last round, untimed.
+    assert profile_rounds(spec_of("allreduce", fragments=2)) == PROFILE_ROUNDS + 2 + 1
+    assert profile_rounds(spec_of("hierarchical")) == PROFILE_ROUNDS + 2 + 1  # it crosses every round
+    # With overlap, the checkpoint holds up the next exchange, applied tau steps into the round after.
+    assert profile_rounds(spec_of("hierarchical", tau=1)) == PROFILE_ROUNDS + 1 + 3 + 1
     # 8 learners make 3 butterfly stages; 2 fragments; pairs across islands meet every 5th cycle.
     # Both first cross islands in round 28, so their rounds are timed from round 29 on.
-    assert profile_rounds(spec_of("butterfly", fragments=2, learners=4, inter_island_every=5)) == 29 + 2 * 3 * 5 + 1
-    assert profile_rounds(spec_of("hierarchical", fragments=2, learners=4, inter_island_every=15)) == 29 + 2 * 15 + 1
+    assert profile_rounds(spec_of("butterfly", fragments=2, learners=4, inter_island_every=5)) == 29 + 2 * 3 * 5 + 2 + 1
+    assert profile_rounds(spec_of("hierarchical", fragments=2, learners=4, inter_island_every=15)) == 29 + 2 * 15 + 2 + 1
 
 
-def test_a_profile_leaves_the_islands_start_up_lag_to_the_start_up():
+def test_a_profile_leaves_the_islands_start_up_lag_to_the_start_up(tmp_path):
     """Learner 1 starts 3.5 s after learner 0, which waits for it in the first round that crosses
     islands (round 1: every 2nd exchange of one fragment): the wait is learner 1's late start, not a
     round's overhead. The last round drains the exchanges in flight and writes the final checkpoint
     (2 s more than a timed round here), once a run: the teardown's, not a round's."""
     from types import SimpleNamespace
-    from training.planning.profile import profile_rounds, summarise
+    from training.planning.profile import profile_rounds, profile_spec, summarise
     spec = spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6)
-    assert profile_rounds(spec) == 2 + 4 + 1
+    assert profile_rounds(spec) == 2 + 4 + 2 + 1
     # Applied tau steps into the next round, the first crossing's exchange waits there.
-    assert profile_rounds(spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6, tau=1)) == 3 + 4 + 1
-    rounds = [{"compute_s": 0.4, "sync_s": 0.0} for _ in range(7)]
-    exchanges = [{"blocked_s": 0.0, "seconds": {"publish": 0.0, "receive": 0.0, "outer_step": 0.0}}] * 7
+    assert profile_rounds(spec_of("hierarchical", learners=1, inter_island_every=2, rounds=6, tau=1)) == 3 + 4 + 3 + 1
+    profiled = profile_spec(spec, {"url": str(tmp_path)})
+    assert profiled.training.checkpoint_every == 7  # the checkpoint in round 6, after the timed rounds 2 to 5
+    rounds = [{"compute_s": 0.4, "sync_s": 0.0} for _ in range(9)]
+    exchanges = [{"blocked_s": 0.0, "seconds": {"publish": 0.0, "receive": 0.0, "outer_step": 0.0}}] * 9
     summaries = [SimpleNamespace(learner=k, rounds=rounds, exchanges=exchanges) for k in (0, 1)]
-    ends = {0: [1.0, 5.0, 5.5, 6.0, 6.5, 7.0, 9.5], 1: [4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 9.5]}
-    profile = summarise(spec, summaries, ends, exits={0: 10.0, 1: 10.0})
+    ends = {0: [1.0, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 10.5], 1: [4.5, 5.0, 5.5, 6.0, 6.5, 7.0, 7.5, 8.0, 10.5]}
+    profile = summarise(profiled, summaries, ends, exits={0: 11.0, 1: 11.0}, checkpoints_per_run_round=0.1)
     assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.1})
+    assert profile.checkpoint_s == pytest.approx({"i0": 0.0, "i1": 0.0})
     assert profile.startup_s == pytest.approx(4.5 - 0.4 - 0.1)
     assert profile.teardown_s == pytest.approx(0.5 + 2.0)
-    with pytest.raises(ValueError, match="times the rounds after the first 2, before the last"):
-        summarise(spec, summaries, {0: [1.0, 5.0, 5.5], 1: [4.5, 5.0, 5.5]}, exits={0: 7.5, 1: 7.5})
+    with pytest.raises(ValueError, match="after the first 2, before a checkpoint in round 6 and the 1 after it"):
+        summarise(profiled, summaries, {0: [1.0, 5.0, 5.5], 1: [4.5, 5.0, 5.5]}, exits={0: 7.5, 1: 7.5},
+                  checkpoints_per_run_round=0.1)
 
 
 @pytest.mark.integration  # the CLI in a process of its own, with learners
@@ -216,38 +222,53 @@ def test_a_profiled_round_overhead_and_start_and_end_add_to_the_plan():
     assert profiled["bandwidth_for_utilisation"]["0.90"] is None
 
 
-def test_a_profile_is_read_from_round_ends_and_per_round_compute():
+def test_a_profile_is_read_from_round_ends_and_per_round_compute(tmp_path):
     from types import SimpleNamespace
-    from training.planning.profile import summarise
-    spec = spec_of(steps=(4, 2), learners=1, rounds=4)
-    def rounds(compute, checkpoint_s):
-        return [{"compute_s": c, "sync_s": 0.05, "checkpoint_s": checkpoint_s} for c in compute]
+    from training.planning.profile import profile_spec, summarise
+    spec = profile_spec(spec_of(steps=(4, 2), learners=1), {"url": str(tmp_path)}, at_least=3)
+    # Round 0 settles, rounds 1 and 2 are timed, round 3 checkpoints, round 4 pays for it, round 5 is the last.
+    assert (spec.sync.rounds, spec.training.checkpoint_every) == (6, 4)
+
+    def rounds(compute):
+        return [{"compute_s": c, "sync_s": 0.05} for c in compute]
 
     def exchanges(outer_steps):
         return [{"blocked_s": 0.01, "seconds": {"publish": 0.02, "receive": 0.0, "outer_step": s}} for s in outer_steps]
 
-    # The last round's parts are left out like the first's (its outer step here 5 s).
-    summaries = [SimpleNamespace(learner=0, rounds=rounds((0.5, 0.4, 0.4, 0.4), 0.03),
-                                 exchanges=exchanges((9.0, 0.1, 0.3, 5.0))),
-                 SimpleNamespace(learner=1, rounds=rounds((0.6, 0.6, 0.6, 0.6), 0.0),
-                                 exchanges=exchanges((9.0, 0.2, 0.2, 5.0)))]
-    # Learner 0's rounds end 0.5 s apart: 0.4 s of inner steps and 0.1 s besides; learner 1's 0.8 s apart.
-    ends = {0: [5.0, 5.5, 6.0, 6.5], 1: [6.0, 6.8, 7.6, 8.4]}
-    profile = summarise(spec, summaries, ends, exits={0: 7.5, 1: 9.4})
+    # The parts of rounds that are not timed are left out (the first's and the last's outer step here 9 s).
+    summaries = [SimpleNamespace(learner=0, rounds=rounds((0.5, 0.4, 0.4, 0.4, 0.4, 0.4)),
+                                 exchanges=exchanges((9.0, 0.1, 0.3, 5.0, 5.0, 9.0))),
+                 SimpleNamespace(learner=1, rounds=rounds((0.6,) * 6),
+                                 exchanges=exchanges((9.0, 0.2, 0.2, 5.0, 5.0, 9.0)))]
+    # Learner 0's timed rounds end 0.5 s apart: 0.4 s of inner steps and 0.1 s besides; its checkpoint
+    # costs 0.3 s in its own round and 1 s in the next. Learner 1's rounds end 0.8 s apart, checkpoint or not.
+    ends = {0: [5.0, 5.5, 6.0, 6.8, 8.3, 8.8], 1: [6.0, 6.8, 7.6, 8.4, 9.2, 10.0]}
+    profile = summarise(spec, summaries, ends, exits={0: 9.8, 1: 11.0}, checkpoints_per_run_round=0.1)
     assert profile.step_seconds == pytest.approx({"i0": 0.1, "i1": 0.3})
-    assert profile.round_overhead_s == pytest.approx({"i0": 0.1, "i1": 0.2})
+    assert profile.checkpoint_s == pytest.approx({"i0": 1.3, "i1": 0.0})
+    # A checkpoint every 10th round of the run adds a tenth of its cost to each.
+    assert profile.round_overhead_s == pytest.approx({"i0": 0.1 + 0.13, "i1": 0.2})
     assert profile.startup_s == pytest.approx(6.0 - 0.6 - 0.2)
     assert profile.teardown_s == pytest.approx(1.0)
-    # The parts of a round, means over the timed rounds: not the first (whose outer step builds the
-    # optimizer's state), nor the last.
     assert profile.round_parts_s["i0"] == pytest.approx({
-        "inner_steps": 0.4, "sync": 0.05, "waiting_for_exchange": 0.01, "checkpoint": 0.03,
+        "inner_steps": 0.4, "sync": 0.05, "waiting_for_exchange": 0.01, "checkpoint": 0.13,
         "publish": 0.02, "receive": 0.0, "outer_step": 0.2})
     assert profile.round_parts_s["i1"]["outer_step"] == pytest.approx(0.2)
     part, seconds = profile.largest_part("i0")
     assert part == "outer_step" and seconds == pytest.approx(0.2)
     # 128 tokens a round on each island; two timed rounds each, from 5.0 s to 7.6 s.
     assert profile.tokens_per_s == pytest.approx(4 * 128 / 2.6)
+
+
+def test_a_run_s_periodic_checkpoints_are_counted_without_its_last():
+    from training.planning.profile import checkpoints_per_round
+    assert checkpoints_per_round(spec_of(rounds=150)) == pytest.approx(
+        149 // spec_of(rounds=150).training.checkpoint_every / 150)
+    raw = spec_of(rounds=150).model_dump(mode="json")
+    raw["training"]["checkpoint_every"] = 10
+    assert checkpoints_per_round(parse_spec(raw)) == pytest.approx(14 / 150)  # rounds 9, 19, ..., 139; 149 is the last
+    raw["training"]["checkpoint_every"] = 150
+    assert checkpoints_per_round(parse_spec(raw)) == 0
 
 
 @pytest.mark.integration  # the CLI in a process of its own, with learners

@@ -42,15 +42,18 @@ class RunProfile:
     step_seconds: dict[str, float]  # per island: an inner step, with the run's background work going on
     # Per island: a round's seconds besides its inner steps, on no link; the mean over whole periods of the
     # mode's crossings after the settling rounds (`profile_rounds`), so a round that crosses islands
-    # counts as often as it comes.
+    # counts as often as it comes, plus the run's periodic checkpoints (`checkpoint_s`) spread over its rounds.
     round_overhead_s: dict[str, float]
     startup_s: float  # launch to the first inner step, slowest learner
     # The last round's end to the process's exit, with what the last round takes beyond a timed one
     # (the exchanges still in flight, the final checkpoint), slowest learner.
     teardown_s: float
     # Per island, mean seconds of a round's parts (`ROUND_PARTS`) over the same rounds: where the
-    # overhead comes from. Means, so a checkpoint every k rounds counts 1/k of its cost.
+    # overhead comes from. The checkpoint's part is what the run's checkpoints add per round.
     round_parts_s: dict[str, dict[str, float]] = field(default_factory=dict)
+    # Per island: what one checkpoint adds to the rounds it reaches (`checkpoint_rounds`) beyond the same
+    # rounds of the mode's period without one.
+    checkpoint_s: dict[str, float] = field(default_factory=dict)
     # The learners together: the tokens of their timed rounds, over the span from the earliest end of a
     # last settling round to the latest end of a last timed round.
     tokens_per_s: float = 0.0
@@ -76,35 +79,64 @@ def settling_rounds(spec: RunSpec) -> int:
     return first_crossing(spec) + 1 + (spec.sync.transport.tau > 0)
 
 
+def checkpoint_rounds(spec: RunSpec) -> int:
+    """The rounds a checkpoint's cost reaches: its own, and, written in the background, the transport
+    thread it holds up, so the next round's exchange, applied `tau` steps into the round after."""
+    return 2 + spec.sync.transport.tau
+
+
+def mode_period(spec: RunSpec) -> int:
+    return SYNC_MODES[spec.sync.mode].period(spec.sync.transport.fragments, len(spec.learners),
+                                             spec.sync.inter_island_every)
+
+
+def timed_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
+    """Whole periods of the mode's peers and island crossings (`SyncMode.period`), at least `at_least` - 1
+    rounds: a mode that crosses islands only every so often spends its rounds unevenly."""
+    return mode_period(spec) * math.ceil((at_least - 1) / mode_period(spec))
+
+
 def profile_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
-    """The settling rounds (`settling_rounds`), then whole periods of the mode's peers and island
-    crossings (`SyncMode.period`), at least `at_least` - 1 timed rounds (a mode that crosses islands
-    only every so often spends its rounds unevenly), then the last round, untimed: it waits for the
-    exchanges still in flight and writes the final checkpoint, once a run, so it is the teardown's."""
-    period = SYNC_MODES[spec.sync.mode].period(spec.sync.transport.fragments, len(spec.learners),
-                                               spec.sync.inter_island_every)
-    return settling_rounds(spec) + period * math.ceil((at_least - 1) / period) + 1
+    """The settling rounds (`settling_rounds`), the timed rounds (`timed_rounds`), then one checkpoint and
+    the rounds its cost reaches (`checkpoint_rounds`): a run checkpoints every so often, and a short
+    profile's rounds would count it as often as it happens to fall among them. Then the last round,
+    untimed: it waits for the exchanges still in flight and writes the final checkpoint, once a run, so
+    it is the teardown's."""
+    return settling_rounds(spec) + timed_rounds(spec, at_least) + checkpoint_rounds(spec) + 1
 
 
-def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = None) -> RunProfile:
-    """Run the spec's learners for `rounds` rounds (`profile_rounds` when None) against `store` (a
-    run-spec `store` section; by default a fresh local folder) and time them. Capacity windows and
-    bandwidth limits are dropped: the profile is of the islands, not of their reservations or their link."""
+def checkpoints_per_round(spec: RunSpec) -> float:
+    """The run's periodic checkpoints (the last round's, at the end, is the teardown's) over its rounds."""
+    rounds = spec.sync.rounds
+    return (rounds - 1) // spec.training.checkpoint_every / rounds
+
+
+def profile_spec(spec: RunSpec, store: dict, at_least: int = PROFILE_ROUNDS) -> RunSpec:
+    """The spec a profile runs: `profile_rounds(spec, at_least)` rounds against `store` (a run-spec `store`
+    section), with one periodic checkpoint, right after the timed rounds. Capacity windows and bandwidth
+    limits are dropped: the profile is of the islands, not of their reservations or their link."""
+    raw = spec.model_dump(mode="json")
+    raw["store"] = store
+    raw["sync"]["rounds"] = profile_rounds(spec, at_least)
+    raw["training"]["checkpoint_every"] = settling_rounds(spec) + timed_rounds(spec, at_least) + 1
+    raw["sync"]["transport"]["bandwidth"] = {}
+    # Nor is it of their keys: a profile's objects live in a throwaway folder.
+    raw["signing"] = None
+    for island in raw["islands"]:
+        island["windows"] = []
+        island.pop("store", None)
+        island.pop("signing", None)
+    return parse_spec(raw)
+
+
+def profile_run(spec: RunSpec, store: dict | None = None, at_least: int = PROFILE_ROUNDS) -> RunProfile:
+    """Run the spec's learners as `profile_spec` says, against `store` (by default a fresh local folder),
+    and time them."""
     from training.data.shards import prepare_dataset
     from training.stages import start_run
 
     with tempfile.TemporaryDirectory(prefix="archipelago-profile-") as folder:
-        raw = spec.model_dump(mode="json")
-        raw["store"] = store or {"url": folder}
-        raw["sync"]["rounds"] = rounds or profile_rounds(spec)
-        raw["sync"]["transport"]["bandwidth"] = {}
-        # Nor is it of their keys: a profile's objects live in a throwaway folder.
-        raw["signing"] = None
-        for island in raw["islands"]:
-            island["windows"] = []
-            island.pop("store", None)
-            island.pop("signing", None)
-        profiled = parse_spec(raw)
+        profiled = profile_spec(spec, store or {"url": folder}, at_least)
         run_id = f"profile-{time.strftime('%Y%m%d-%H%M%S')}"
         run = start_run(profiled, run_id)
         prepare_dataset(profiled, run)
@@ -130,46 +162,62 @@ def profile_run(spec: RunSpec, store: dict | None = None, rounds: int | None = N
             for done in [pool.submit(learner, slot) for slot in profiled.learners]:
                 done.result()
         summaries = read_summaries(profiled, run)
-    return summarise(profiled, summaries, round_times, exits)
+    return summarise(profiled, summaries, round_times, exits, checkpoints_per_round(spec))
 
 
-def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exits: dict[int, float]) -> RunProfile:
-    """The profile from each learner's summary (compute per round) and when its rounds ended, timed
-    from the end of the last settling round (`settling_rounds`) to the end of the last round but one;
-    what the last round takes beyond a timed one counts in `teardown_s`."""
-    settle = settling_rounds(spec)
+def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exits: dict[int, float],
+              checkpoints_per_run_round: float) -> RunProfile:
+    """The profile from each learner's summary (compute per round) and when its rounds ended (`spec` is the
+    profile's, `profile_run`'s). The timed rounds, after the settling ones and before the profile's one
+    periodic checkpoint, give a round's overhead; the checkpoint's rounds (`checkpoint_rounds`) what one
+    checkpoint adds beyond the same rounds of the mode's period, which the run pays
+    `checkpoints_per_run_round` times a round; what the last round takes beyond a timed one counts in
+    `teardown_s`."""
+    settle, period = settling_rounds(spec), mode_period(spec)
+    checkpointed = spec.training.checkpoint_every - 1
+    timed = range(settle, checkpointed)
+    last = checkpointed + checkpoint_rounds(spec)
     steps: dict[str, list[float]] = {}
     overheads: dict[str, list[float]] = {}
+    checkpoint_costs: dict[str, list[float]] = {}
     parts: dict[str, dict[str, list[float]]] = {}
     startups, teardowns = [], []
     for summary in summaries:
         island = spec.learners[summary.learner].island
         ends, compute = round_times[summary.learner], [r["compute_s"] for r in summary.rounds]
-        last = len(ends) - 1
-        if last <= settle:
-            raise ValueError(f"learner {summary.learner} ran {len(ends)} rounds; a profile times the rounds "
-                             f"after the first {settle}, before the last")
-        steps.setdefault(island.name, []).extend(c / island.inner_steps for c in compute[settle:last])
-        overhead = [ends[t] - ends[t - 1] - compute[t] for t in range(settle, last)]
-        overheads.setdefault(island.name, []).extend(overhead)
+        if len(ends) != last + 1 or not timed:
+            raise ValueError(f"learner {summary.learner} ran {len(ends)} rounds; a profile times the rounds after "
+                             f"the first {settle}, before a checkpoint in round {checkpointed} and the "
+                             f"{checkpoint_rounds(spec) - 1} after it, then one more, {last + 1} in all")
+        overhead = {t: ends[t] - ends[t - 1] - compute[t] for t in range(settle, last)}
+        mine_timed = [overhead[t] for t in timed]
+        steps.setdefault(island.name, []).extend(compute[t] / island.inner_steps for t in timed)
+        overheads.setdefault(island.name, []).extend(mine_timed)
+        # The timed rounds are whole periods, so each round of a period has its like among them.
+        same_phase = [statistics.fmean(overhead[t] for t in timed if (t - settle) % period == phase)
+                      for phase in range(period)]
+        checkpoint_costs.setdefault(island.name, []).append(
+            sum(overhead[t] - same_phase[(t - settle) % period] for t in range(checkpointed, last)))
         mine = parts.setdefault(island.name, {part: [] for part in ROUND_PARTS})
-        for r in summary.rounds[settle:last]:
-            mine["inner_steps"].append(r["compute_s"])
-            mine["sync"].append(r["sync_s"])
-            mine["checkpoint"].append(r.get("checkpoint_s", 0.0))
-        for exchange in summary.exchanges[settle:last]:
+        for t in timed:
+            mine["inner_steps"].append(summary.rounds[t]["compute_s"])
+            mine["sync"].append(summary.rounds[t]["sync_s"])
+            exchange = summary.exchanges[t]
             mine["waiting_for_exchange"].append(exchange["blocked_s"])
             for part in ("publish", "receive", "outer_step"):
                 mine[part].append(exchange["seconds"][part])
-        startups.append(ends[0] - compute[0] - statistics.median(overhead))
-        last_beyond_timed = ends[last] - ends[last - 1] - compute[last] - statistics.fmean(overhead)
+        startups.append(ends[0] - compute[0] - statistics.median(mine_timed))
+        last_beyond_timed = ends[last] - ends[last - 1] - compute[last] - statistics.fmean(mine_timed)
         teardowns.append(exits[summary.learner] - ends[last] + max(0.0, last_beyond_timed))
+    checkpoint_s = {name: max(0.0, statistics.fmean(v)) for name, v in checkpoint_costs.items()}
+    round_parts = {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
+                   for name, island_parts in parts.items()}
+    for name, island_parts in round_parts.items():
+        island_parts["checkpoint"] = checkpoint_s[name] * checkpoints_per_run_round
     return RunProfile({name: statistics.median(v) for name, v in steps.items()},
-                      {name: max(0.0, statistics.fmean(v)) for name, v in overheads.items()},
-                      max(startups), max(teardowns),
-                      {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
-                       for name, island_parts in parts.items()},
-                      sum(spec.learners[s.learner].tokens_per_round() * (len(round_times[s.learner]) - 1 - settle)
-                          for s in summaries) /
-                      (max(ends[-2] for ends in round_times.values()) -
+                      {name: max(0.0, statistics.fmean(v)) + checkpoint_s[name] * checkpoints_per_run_round
+                       for name, v in overheads.items()},
+                      max(startups), max(teardowns), round_parts, checkpoint_s,
+                      sum(spec.learners[s.learner].tokens_per_round() * len(timed) for s in summaries) /
+                      (max(ends[checkpointed - 1] for ends in round_times.values()) -
                        min(ends[settle - 1] for ends in round_times.values())))
