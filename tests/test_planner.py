@@ -236,18 +236,20 @@ def test_a_profile_is_read_from_round_ends_and_per_round_compute(tmp_path):
         return [{"blocked_s": 0.01, "seconds": {"publish": 0.02, "receive": 0.0, "outer_step": s}} for s in outer_steps]
 
     # The parts of rounds that are not timed are left out (the first's and the last's outer step here 9 s).
-    summaries = [SimpleNamespace(learner=0, rounds=rounds((0.5, 0.4, 0.4, 0.4, 0.4, 0.4)),
+    summaries = [SimpleNamespace(learner=0, rounds=rounds((0.5, 0.4, 0.4, 0.4, 0.6, 0.4)),
                                  exchanges=exchanges((9.0, 0.1, 0.3, 5.0, 5.0, 9.0))),
                  SimpleNamespace(learner=1, rounds=rounds((0.6,) * 6),
                                  exchanges=exchanges((9.0, 0.2, 0.2, 5.0, 5.0, 9.0)))]
     # Learner 0's timed rounds end 0.5 s apart: 0.4 s of inner steps and 0.1 s besides; its checkpoint
-    # costs 0.3 s in its own round and 1 s in the next. Learner 1's rounds end 0.8 s apart, checkpoint or not.
+    # costs 0.3 s in its own round and 1 s in the next, where it slows the inner steps by 0.2 s. Learner
+    # 1's rounds end 0.8 s apart, checkpoint or not.
     ends = {0: [5.0, 5.5, 6.0, 6.8, 8.3, 8.8], 1: [6.0, 6.8, 7.6, 8.4, 9.2, 10.0]}
     profile = summarise(spec, summaries, ends, exits={0: 9.8, 1: 11.0}, checkpoints_per_run_round=0.1)
-    assert profile.step_seconds == pytest.approx({"i0": 0.1, "i1": 0.3})
     assert profile.checkpoint_s == pytest.approx({"i0": 1.3, "i1": 0.0})
-    # A checkpoint every 10th round of the run adds a tenth of its cost to each.
-    assert profile.round_overhead_s == pytest.approx({"i0": 0.1 + 0.13, "i1": 0.2})
+    # A checkpoint every 10th round of the run adds a tenth of its cost to each: to the inner steps
+    # what it slowed them by, to the overhead the rest.
+    assert profile.step_seconds == pytest.approx({"i0": 0.1 + 0.02 / 4, "i1": 0.3})
+    assert profile.round_overhead_s == pytest.approx({"i0": 0.1 + 0.11, "i1": 0.2})
     assert profile.startup_s == pytest.approx(6.0 - 0.6 - 0.2)
     assert profile.teardown_s == pytest.approx(1.0)
     assert profile.round_parts_s["i0"] == pytest.approx({

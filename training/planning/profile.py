@@ -39,10 +39,12 @@ ROUND_PARTS = ("inner_steps", "sync", "waiting_for_exchange", "checkpoint", "pub
 
 @dataclass(frozen=True)
 class RunProfile:
-    step_seconds: dict[str, float]  # per island: an inner step, with the run's background work going on
-    # Per island: a round's seconds besides its inner steps, on no link; the mean over whole periods of the
-    # mode's crossings after the settling rounds (`profile_rounds`), so a round that crosses islands
-    # counts as often as it comes, plus the run's periodic checkpoints (`checkpoint_s`) spread over its rounds.
+    # Per island: an inner step, with the run's background work going on. This and `round_overhead_s` are
+    # means over whole periods of the mode's crossings after the settling rounds (`profile_rounds`), so a
+    # round that crosses islands counts as often as it comes, each with its share of what the run's
+    # periodic checkpoints add (`checkpoint_s`) spread over the run's rounds.
+    step_seconds: dict[str, float]
+    # Per island: a round's seconds besides its inner steps, on no link.
     round_overhead_s: dict[str, float]
     startup_s: float  # launch to the first inner step, slowest learner
     # The last round's end to the process's exit, with what the last round takes beyond a timed one
@@ -51,8 +53,8 @@ class RunProfile:
     # Per island, mean seconds of a round's parts (`ROUND_PARTS`) over the same rounds: where the
     # overhead comes from. The checkpoint's part is what the run's checkpoints add per round.
     round_parts_s: dict[str, dict[str, float]] = field(default_factory=dict)
-    # Per island: what one checkpoint adds to the rounds it reaches (`checkpoint_rounds`) beyond the same
-    # rounds of the mode's period without one.
+    # Per island: what one checkpoint adds to the rounds it reaches (`checkpoint_rounds`), inner steps and
+    # overhead together, beyond the same rounds of the mode's period without one.
     checkpoint_s: dict[str, float] = field(default_factory=dict)
     # The learners together: the tokens of their timed rounds, over the span from the earliest end of a
     # last settling round to the latest end of a last timed round.
@@ -169,17 +171,27 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
               checkpoints_per_run_round: float) -> RunProfile:
     """The profile from each learner's summary (compute per round) and when its rounds ended (`spec` is the
     profile's, `profile_run`'s). The timed rounds, after the settling ones and before the profile's one
-    periodic checkpoint, give a round's overhead; the checkpoint's rounds (`checkpoint_rounds`) what one
-    checkpoint adds beyond the same rounds of the mode's period, which the run pays
-    `checkpoints_per_run_round` times a round; what the last round takes beyond a timed one counts in
-    `teardown_s`."""
+    periodic checkpoint, give an inner step and a round's overhead (means, as a run's seconds add up);
+    the checkpoint's rounds (`checkpoint_rounds`) what one checkpoint adds to both beyond the same rounds
+    of the mode's period (its writes slow the inner steps beside them and hold up the exchange), which
+    the run pays `checkpoints_per_run_round` times a round; what the last round takes beyond a timed
+    one counts in `teardown_s`."""
     settle, period = settling_rounds(spec), mode_period(spec)
     checkpointed = spec.training.checkpoint_every - 1
     timed = range(settle, checkpointed)
     last = checkpointed + checkpoint_rounds(spec)
+
+    def beyond_timed(series: dict[int, float]) -> float:
+        """What the checkpoint's rounds of `series` add beyond the timed rounds at the same place in the
+        mode's period (the timed rounds are whole periods, so each has its like among them)."""
+        same_phase = [statistics.fmean(series[t] for t in timed if (t - settle) % period == phase)
+                      for phase in range(period)]
+        return sum(series[t] - same_phase[(t - settle) % period] for t in range(checkpointed, last))
+
     steps: dict[str, list[float]] = {}
     overheads: dict[str, list[float]] = {}
-    checkpoint_costs: dict[str, list[float]] = {}
+    checkpoint_compute: dict[str, list[float]] = {}
+    checkpoint_overhead: dict[str, list[float]] = {}
     parts: dict[str, dict[str, list[float]]] = {}
     startups, teardowns = [], []
     for summary in summaries:
@@ -193,11 +205,8 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
         mine_timed = [overhead[t] for t in timed]
         steps.setdefault(island.name, []).extend(compute[t] / island.inner_steps for t in timed)
         overheads.setdefault(island.name, []).extend(mine_timed)
-        # The timed rounds are whole periods, so each round of a period has its like among them.
-        same_phase = [statistics.fmean(overhead[t] for t in timed if (t - settle) % period == phase)
-                      for phase in range(period)]
-        checkpoint_costs.setdefault(island.name, []).append(
-            sum(overhead[t] - same_phase[(t - settle) % period] for t in range(checkpointed, last)))
+        checkpoint_compute.setdefault(island.name, []).append(beyond_timed(dict(enumerate(compute))))
+        checkpoint_overhead.setdefault(island.name, []).append(beyond_timed(overhead))
         mine = parts.setdefault(island.name, {part: [] for part in ROUND_PARTS})
         for t in timed:
             mine["inner_steps"].append(summary.rounds[t]["compute_s"])
@@ -209,13 +218,17 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
         startups.append(ends[0] - compute[0] - statistics.median(mine_timed))
         last_beyond_timed = ends[last] - ends[last - 1] - compute[last] - statistics.fmean(mine_timed)
         teardowns.append(exits[summary.learner] - ends[last] + max(0.0, last_beyond_timed))
-    checkpoint_s = {name: max(0.0, statistics.fmean(v)) for name, v in checkpoint_costs.items()}
+    islands = {learner.island.name: learner.island for learner in spec.learners}
+    share = checkpoints_per_run_round
+    checkpoint_s = {name: max(0.0, statistics.fmean(checkpoint_compute[name]) + statistics.fmean(v))
+                    for name, v in checkpoint_overhead.items()}
     round_parts = {name: {part: statistics.fmean(v) if v else 0.0 for part, v in island_parts.items()}
                    for name, island_parts in parts.items()}
     for name, island_parts in round_parts.items():
-        island_parts["checkpoint"] = checkpoint_s[name] * checkpoints_per_run_round
-    return RunProfile({name: statistics.median(v) for name, v in steps.items()},
-                      {name: max(0.0, statistics.fmean(v)) + checkpoint_s[name] * checkpoints_per_run_round
+        island_parts["checkpoint"] = checkpoint_s[name] * share
+    return RunProfile({name: max(0.0, statistics.fmean(v) + statistics.fmean(checkpoint_compute[name]) * share
+                                 / islands[name].inner_steps) for name, v in steps.items()},
+                      {name: max(0.0, statistics.fmean(v) + statistics.fmean(checkpoint_overhead[name]) * share)
                        for name, v in overheads.items()},
                       max(startups), max(teardowns), round_parts, checkpoint_s,
                       sum(spec.learners[s.learner].tokens_per_round() * len(timed) for s in summaries) /
