@@ -125,6 +125,9 @@ DIAGNOSTICS = {
 COMPRESSIONS = {"int8": "int8", "fp32": "none"}
 GOAL = -0.01  # the islands at least 1% below (b) on every evaluation
 TOKEN_RATIO_GOAL = 1.5  # and within 1.5x of (c) in standard training's tokens
+# (b) at its chosen settings once more (seed 0) on this many times the regime's tokens, so that its held-out
+# curve reaches (c)'s bpb rather than a line drawn past its end.
+LONGER_B = 2
 BYTES_GOAL = 100  # at least 100x fewer inter-island bytes than per-step all-reduce, counted
 # The islands' chosen arm as a config (seed 0, written with the summary once the sweep is finished), and
 # that config across a shaped link beside per-step all-reduce of the same model, at the recipe's 150
@@ -216,7 +219,8 @@ class HonestArm:
     (`STABILITY`); `batch`: standard training's global batch, or the islands' rows per inner step over all
     learners (None: the recipe's); `outer_momentum`: None for the outer optimizer's own; `diagnostic`: a
     key of DIAGNOSTICS; `crossing_every`: the islands' `sync.inter_island_every` (None: the recipe's);
-    `compression`: a key of COMPRESSIONS (None: the recipe's)."""
+    `compression`: a key of COMPRESSIONS (None: the recipe's); `tokens_factor`: standard training's
+    tokens as a multiple of the regime's (its schedule stretched with them)."""
 
     kind: str
     seed: int
@@ -229,6 +233,7 @@ class HonestArm:
     diagnostic: str | None = None
     crossing_every: int | None = None
     compression: str | None = None
+    tokens_factor: int = 1
 
     @property
     def family(self) -> str:
@@ -238,7 +243,8 @@ class HonestArm:
     def name(self) -> str:
         stable = "-qkz" if self.stable else ""
         if self.kind == "standard":
-            return f"b-b{self.batch}-lr{self.lr:g}{stable}-s{self.seed}"
+            longer = f"-t{self.tokens_factor}" if self.tokens_factor != 1 else ""
+            return f"b-b{self.batch}-lr{self.lr:g}{stable}{longer}-s{self.seed}"
         settings = (f"-lr{self.lr:g}" if self.lr is not None else "") + \
                    (f"-{self.outer_optimizer}" if self.outer_optimizer else "") + \
                    (f"-outer{self.outer_lr:g}" if self.outer_lr is not None else "") + \
@@ -255,6 +261,8 @@ class HonestArm:
             raw["model"].update(STABILITY)
         if self.kind == "standard":
             raw["baseline"] = {"lr": self.lr, "global_batch": self.batch}
+            raw["sync"]["rounds"] *= self.tokens_factor
+            raw["evaluation"]["curve_points"] *= self.tokens_factor
             return raw
         if self.batch is not None:
             raw = with_global_batch(raw, self.batch)
@@ -322,8 +330,9 @@ class Plan:
 
 
 def standard_sweep(results: dict[str, dict]) -> list[dict]:
-    """(b)'s sweep arms that have finished: seed 0, without QK-LayerNorm and z-loss."""
-    return [r for r in results.values() if r["kind"] == "standard" and r["seed"] == SWEEP_SEED and not r.get("stable")]
+    """(b)'s sweep arms that have finished: seed 0, the regime's tokens, without QK-LayerNorm and z-loss."""
+    return [r for r in results.values() if r["kind"] == "standard" and r["seed"] == SWEEP_SEED and not r.get("stable")
+            and r.get("tokens_factor", 1) == 1]
 
 
 def b_sweep(results: dict[str, dict]) -> tuple[list[HonestArm], tuple[int, float] | None, bool]:
@@ -462,8 +471,8 @@ def plan(results: dict[str, dict]) -> Plan:
     """The islands and today's butterfly at the recipe's settings first (the first reading of the
     headline), then the islands' and (b)'s sweeps, each with QK-LayerNorm and z-loss, the islands' way of
     spending the bytes goal, and their seeds 1, 2 (the headline); then (c)'s sweep, stability and seeds
-    (the token ratio); the diagnostics of the islands' swept arm last, since they explain the headline
-    rather than make it."""
+    (the token ratio); the diagnostics of the islands' swept arm, since they explain the headline
+    rather than make it; last (b) on LONGER_B times the tokens, for the token ratio's curve."""
     out = Plan([])
     inner0, outer0 = recipe_rates()
     out.todo += [HonestArm("islands", SWEEP_SEED, lr=inner0, outer_lr=outer0), HonestArm("butterfly_today", SWEEP_SEED)]
@@ -497,6 +506,8 @@ def plan(results: dict[str, dict]) -> Plan:
     if swept is not None:
         out.todo += [diagnostic_arm(swept, name) for name in DIAGNOSTICS
                      if name != "nesterov" or swept.outer_optimizer is None]
+    if (b := out.chosen("standard", SWEEP_SEED)) is not None and out.chosen("single", SWEEP_SEED) is not None:
+        out.todo.append(replace(b, tokens_factor=LONGER_B))
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
 
@@ -504,7 +515,7 @@ def plan(results: dict[str, dict]) -> Plan:
 def run(log: Log) -> None:
     def train(arm: HonestArm, finished: dict[str, dict]) -> dict:
         return {**quality.run_arm(arm, log, curve=arm.kind == "standard"), "kind": arm.kind, "outer_lr": arm.outer_lr,
-                "outer_optimizer": arm.outer_optimizer, "stable": arm.stable}
+                "outer_optimizer": arm.outer_optimizer, "stable": arm.stable, "tokens_factor": arm.tokens_factor}
 
     run_arms(RESULTS, lambda finished: plan(finished).todo, train, lambda: write_page(log), log, CPU_LOCK)
 
@@ -526,6 +537,13 @@ def tokens_to_reach(curve: list[dict], evaluation: str, bpb: float) -> tuple[flo
     if slope >= 0:
         return math.inf, True
     return float(np.exp((bpb - intercept) / slope)), True
+
+
+def fewest_tokens(curves: list[list[dict]], evaluation: str, bpb: float) -> tuple[float, bool]:
+    """The fewest tokens any of standard training's runs (their held-out curves) needs to reach `bpb`
+    (`tokens_to_reach`), read off a curve where one reaches it, extrapolated only where none does."""
+    reads = [tokens_to_reach(curve, evaluation, bpb) for curve in curves]
+    return min(reads, key=lambda read: (read[1], read[0]))
 
 
 def diagnostic_arm(islands: HonestArm, name: str) -> HonestArm:
@@ -666,14 +684,18 @@ def summary(results: dict[str, dict]) -> dict:
             entry["relative_to_b"] = [i / b - 1 for i, b in zip(entry["islands"], entry["b"])]
             entry["bootstrap_ci_to_b"] = quality.seeds_bootstrap(complete["islands"], complete["b"], evaluation)
         if "b" in complete and "c" in complete and "islands" in complete:
-            ratios, extrapolated = [], False
-            for b_run, islands_bpb, c_bpb in zip(complete["b"], entry["islands"], entry["c"]):
-                (to_islands, past_i), (to_c, past_c) = (tokens_to_reach(b_run["heldout_curve"], evaluation, x)
-                                                        for x in (islands_bpb, c_bpb))
+            ratios, extrapolated, factors = [], False, []
+            for seed, b_run, islands_bpb, c_bpb in zip(SEEDS, complete["b"], entry["islands"], entry["c"]):
+                longer = results.get(replace(chosen.chosen("standard", seed), tokens_factor=LONGER_B).name)
+                runs_of_b = [b_run] + ([longer] if longer else [])
+                (to_islands, past_i), (to_c, past_c) = (
+                    fewest_tokens([r["heldout_curve"] for r in runs_of_b], evaluation, x) for x in (islands_bpb, c_bpb))
                 ratios.append(to_islands / to_c)
                 extrapolated |= past_i or past_c
+                factors.append([r.get("tokens_factor", 1) for r in runs_of_b])
             entry["token_ratio_to_c"] = ratios
             entry["token_ratio_extrapolated"] = extrapolated
+            entry["token_ratio_b_runs"] = factors
         out["evaluations"][evaluation] = entry
     return out
 
@@ -804,7 +826,12 @@ def page(table: dict, results: dict[str, dict]) -> str:
              if "token_ratio_to_c" in v}
     if worth:
         extrapolated = any(table["evaluations"][e]["token_ratio_extrapolated"] for e in worth)
-        lines += ["Against (c), in standard training's tokens" + (" (extrapolated past its curve)" if extrapolated else "")
+        longer = [seed for seed, factors in zip(SEEDS, next(iter(table["evaluations"].values()))["token_ratio_b_runs"])
+                  if len(factors) > 1]
+        notes = (["extrapolated past its curve"] if extrapolated else []) + \
+            ([f"seed {', '.join(map(str, longer))} read off (b) at {LONGER_B}x the tokens too, the fewest tokens "
+              f"either run needed"] if longer else [])
+        lines += ["Against (c), in standard training's tokens" + (f" ({'; '.join(notes)})" if notes else "")
                   + ": (c)'s bpb is worth " + ", ".join(f"{w:.2f}x the islands' on {e}" for e, w in worth.items())
                   + (": met." if all(w <= TOKEN_RATIO_GOAL for w in worth.values()) else "; not met."), ""]
     lines += ["## Sweeps (seed 0, validation split)", "",

@@ -8,9 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from bench.honest import (BATCH_LIMITS, BYTES_GOAL, DIAGNOSTICS, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm, figure,
-                          inter_island_reduction, most_frequent_crossing, outer_momentum, page, plan, summary,
-                          tokens_to_reach)
+from bench.honest import (BATCH_LIMITS, BYTES_GOAL, DIAGNOSTICS, LONGER_B, SEEDS, TOKENS_PER_ACTIVE_PARAMETER, HonestArm,
+                          fewest_tokens, figure, inter_island_reduction, most_frequent_crossing, outer_momentum, page,
+                          plan, summary, tokens_to_reach)
 from training.baseline import BaselinePlan
 from training.model.registry import build_model
 
@@ -29,6 +29,10 @@ def test_every_arm_trains_the_same_tokens_about_twenty_per_active_parameter():
     arms += [HonestArm("islands", 0, batch=b) for b in (12, 24, 96)] + [HonestArm("single", 0, batch=24)]
     arms += [HonestArm("islands", 0, lr=6e-3, outer_lr=1.0, diagnostic=d) for d in DIAGNOSTICS]
     assert len({rows(arm) for arm in arms}) == 1
+    # (b) on more tokens: its schedule stretched, its curve as dense.
+    longer = replace(arms[0], tokens_factor=2)
+    assert rows(longer) == 2 * rows(arms[0]) and longer.name == "b-b6-lr0.005-t2-s0"
+    assert longer.spec().evaluation.curve_points == 2 * arms[0].spec().evaluation.curve_points
     spec = arms[8].spec()
     active = build_model(spec).parameter_counts()["active"]
     tokens = rows(arms[0]) * spec.islands[0].seq_len
@@ -72,9 +76,11 @@ def scored(arm, best_batch: int) -> dict:
             - {"int8": 0.02, "fp32": 0.005}.get(arm.compression, 0)  # int8 spends the bytes goal best
     if arm.stable:  # QK-LayerNorm and z-loss help the islands only
         value += -0.01 if arm.kind == "islands" else 0.01
-    curve = [{"tokens": t, "bpb": {"code": value + 1 / t ** 0.5, "prose": value + 1 / t ** 0.5}}
+    value -= 0.1 * math.log2(arm.tokens_factor)  # more tokens, lower bpb
+    curve = [{"tokens": t * arm.tokens_factor, "bpb": {"code": value + 1 / t ** 0.5, "prose": value + 1 / t ** 0.5}}
              for t in (1e5, 1e6, 4e6, 8.9e6)]
     return {"arm": arm.name, "kind": arm.kind, "seed": arm.seed, "lr": arm.lr, "global_batch": arm.batch,
+            "tokens_factor": arm.tokens_factor,
             "outer_lr": arm.outer_lr, "outer_optimizer": arm.outer_optimizer, "stable": arm.stable, "tokens": 8.9e6, "train_seconds": 1.0, "heldout_curve": curve,
             "bpb": {"code": value, "prose": value + 0.1}, "validation_bpb": {"code": value, "prose": value},
             "heldout_documents": {e: {"ids": [1, 2, 3], "bits": [value * 8, value * 9, value * 10], "bytes": [8, 9, 10]}
@@ -131,7 +137,7 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     # In the order they ran: the headline's seeds before (c), the diagnostics (of the swept arm) after it.
     kinds = [(r["kind"], any(r["arm"].endswith(f"-{d}-s0") for d in DIAGNOSTICS)) for r in results.values()]
     single = kinds.index(("single", False))
-    assert all(i < single for i, (kind, diagnostic) in enumerate(kinds) if kind in ("standard", "islands") and not diagnostic)
+    assert all(i < single for i, (kind, diagnostic) in enumerate(kinds[:-1]) if kind in ("standard", "islands") and not diagnostic)
     assert all(i > single for i, (_, diagnostic) in enumerate(kinds) if diagnostic)
     diagnosed = [name for name in results if any(name.endswith(f"-{d}-s0") for d in DIAGNOSTICS)]
     # Nesterov's control only where Shampoo was chosen (here plain averaging was).
@@ -148,7 +154,7 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     steps = {(s["from_arm"], s["to_arm"]): s["change"] for s in table["gap_steps"]}
     best_b, islands_arm = f"b-b{best_batch}-lr{chosen.b[1]:g}-s0", chosen.islands.name
     b24 = min((r for r in results.values() if r["kind"] == "standard" and r["global_batch"] == 24 and r["seed"] == 0
-               and not r["stable"]), key=lambda r: r["validation_bpb"]["code"])["arm"]
+               and not r["stable"] and r["tokens_factor"] == 1), key=lambda r: r["validation_bpb"]["code"])["arm"]
     assert ((best_b, b24) in steps) == (best_batch != 24)  # no step where (b) already trains at 24
     assert (b24, islands_arm) in steps and (chosen.c.name, islands_arm) in steps
     score = {r["arm"]: r["validation_bpb"]["code"] for r in results.values()}
@@ -158,6 +164,11 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     assert (tmp_path / "sweeps.png").stat().st_size > 10_000
     worth = 1 / statistics.fmean(entry["token_ratio_to_c"])
     assert f"(c)'s bpb is worth {worth:.2f}x the islands' on code" in page(table, results)
+    # (b) on LONGER_B times the tokens ran last, on seed 0, outside the sweep; the token ratio reads it there.
+    longer = list(results.values())[-1]
+    assert longer["arm"] == replace(chosen.chosen("standard", 0), tokens_factor=LONGER_B).name
+    assert entry["token_ratio_b_runs"] == [[1, LONGER_B], [1], [1]]
+    assert f"seed 0 read off (b) at {LONGER_B}x the tokens too" in page(table, results)
 
 
 def test_an_islands_batch_that_does_not_divide_into_whole_rows_and_steps_is_refused_by_name():
@@ -170,6 +181,15 @@ def test_tokens_to_reach_interpolates_in_log_tokens_and_extrapolates_past_the_la
     assert tokens_to_reach(curve, "e", 3.5) == (pytest.approx(1_000), False)
     assert tokens_to_reach(curve, "e", 5.0) == (pytest.approx(100), False)
     assert tokens_to_reach(curve, "e", 1.5) == (pytest.approx(10_000_000), True)
+
+
+def test_the_fewest_tokens_are_read_off_a_curve_that_reaches_the_bpb_before_any_line_past_one():
+    short = [{"tokens": 100, "bpb": {"e": 4.0}}, {"tokens": 1_000, "bpb": {"e": 3.0}}, {"tokens": 10_000, "bpb": {"e": 2.5}}]
+    longer = [{"tokens": 1_000, "bpb": {"e": 4.0}}, {"tokens": 100_000, "bpb": {"e": 2.0}}]
+    assert fewest_tokens([short, longer], "e", 3.5) == (pytest.approx(math.sqrt(1e5)), False)
+    # The short run's line would reach 2.2 sooner, but only the longer run reached it.
+    assert fewest_tokens([short, longer], "e", 2.2) == (pytest.approx(10 ** 4.8), False)
+    assert fewest_tokens([short], "e", 2.2)[1] is True
 
 
 def test_the_most_frequent_crossing_is_the_last_interval_within_the_bytes_goal():
