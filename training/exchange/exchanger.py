@@ -140,12 +140,18 @@ def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Rec
 SYNC_MODES: dict[str, SyncMode] = {"butterfly": Butterfly(), "allreduce": AllReduce(), "hierarchical": Hierarchical()}
 
 
+def mode_period(spec: RunSpec) -> int:
+    """The rounds after which the spec's mode repeats its peers and island crossings (`SyncMode.period`)."""
+    sync = spec.sync
+    return SYNC_MODES[sync.mode].period(sync.transport.fragments, len(spec.learners), sync.inter_island_every)
+
+
 def first_crossing(spec: RunSpec) -> int:
     """The first round in which a learner hears from another island (0 where none ever does)."""
     mode, sync = SYNC_MODES[spec.sync.mode], spec.sync
     fragments, every = sync.transport.fragments, sync.inter_island_every
     links = [island_links(spec, slot.index) for slot in spec.learners]
-    for t in range(mode.period(fragments, len(spec.learners), every)):
+    for t in range(mode_period(spec)):
         crosses = isinstance(mode, Hierarchical) and mode.crosses(t, fragments, every)
         if crosses or any(links[me][p] == "inter" for me in range(len(links))
                           for p in mode.peers(me, t, fragments, links[me], every)):

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from infra.launch import LearnerProcess, island_cores, run_learner, threads_per_process
 from infra.spec import RunSpec, parse_spec, spec_sha256
-from training.exchange.exchanger import SYNC_MODES, first_crossing
+from training.exchange.exchanger import first_crossing, mode_period
 from training.learner.ledger import read_summaries
 
 # At least four timed rounds give each learner four round lengths (`profile_rounds`).
@@ -85,11 +85,6 @@ def checkpoint_rounds(spec: RunSpec) -> int:
     """The rounds a checkpoint's cost reaches: its own, and, written in the background, the transport
     thread it holds up, so the next round's exchange, applied `tau` steps into the round after."""
     return 2 + spec.sync.transport.tau
-
-
-def mode_period(spec: RunSpec) -> int:
-    return SYNC_MODES[spec.sync.mode].period(spec.sync.transport.fragments, len(spec.learners),
-                                             spec.sync.inter_island_every)
 
 
 def timed_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
@@ -209,7 +204,7 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
         checkpoint_overhead.setdefault(island.name, []).append(beyond_timed(overhead))
         mine = parts.setdefault(island.name, {part: [] for part in ROUND_PARTS})
         for t in timed:
-            mine["inner_steps"].append(summary.rounds[t]["compute_s"])
+            mine["inner_steps"].append(compute[t])
             mine["sync"].append(summary.rounds[t]["sync_s"])
             exchange = summary.exchanges[t]
             mine["waiting_for_exchange"].append(exchange["blocked_s"])
