@@ -168,7 +168,7 @@ def test_sweeps_end_interior_and_the_chosen_settings_run_on_every_seed(best_batc
     longer = [r["arm"] for r in list(results.values())[-len(SEEDS):]]
     assert longer == [replace(chosen.chosen("standard", seed), tokens_factor=LONGER_B).name for seed in SEEDS]
     assert entry["token_ratio_b_runs"] == [[1, LONGER_B]] * len(SEEDS)
-    assert f"(with (b) at {LONGER_B}x)" in page(table, results)
+    assert f"seeds {', '.join(map(str, SEEDS))}: (b) at 1x and {LONGER_B}x the tokens" in page(table, results)
 
 
 def test_an_islands_batch_that_does_not_divide_into_whole_rows_and_steps_is_refused_by_name():
