@@ -822,25 +822,24 @@ def page(table: dict, results: dict[str, dict]) -> str:
                    ", ".join(f"{r - GOAL:.2%} on {e}" for e, r in against_b.items()) + "."), ""]
     # token_ratio_to_c is the islands' standard-training tokens over (c)'s: its inverse is how many times the
     # islands' tokens (c) is worth.
-    worth = {e: 1 / statistics.fmean(v["token_ratio_to_c"]) for e, v in table["evaluations"].items()
-             if "token_ratio_to_c" in v}
+    ratios = {e: v for e, v in table["evaluations"].items() if "token_ratio_to_c" in v}
+    worth = {e: 1 / statistics.fmean(v["token_ratio_to_c"]) for e, v in ratios.items()}
     if worth:
         def per_seed(entry: dict) -> str:
             return ", ".join(f"{1 / r:.2f}x" + ("*" if past else "")
                              for r, past in zip(entry["token_ratio_to_c"], entry["token_ratio_extrapolated"]))
-        entries = [v for v in table["evaluations"].values() if "token_ratio_to_c" in v]
         seeds_by_runs: dict[tuple, list[int]] = {}
-        for seed, runs in zip(SEEDS, entries[0]["token_ratio_b_runs"]):
+        for seed, runs in zip(SEEDS, next(iter(ratios.values()))["token_ratio_b_runs"]):
             seeds_by_runs.setdefault(tuple(runs), []).append(seed)
         read = "; ".join("seed" + ("s " if len(seeds) > 1 else " ") + ", ".join(map(str, seeds)) + ": (b) at "
                          + " and ".join(f"{f}x" for f in runs) + " the tokens" for runs, seeds in seeds_by_runs.items())
         lines += ["Against (c), in standard training's tokens: (c)'s bpb is worth "
-                  + ", ".join(f"{w:.2f}x the islands' on {e} (per seed {per_seed(table['evaluations'][e])})"
+                  + ", ".join(f"{w:.2f}x the islands' on {e} (per seed {per_seed(ratios[e])})"
                               for e, w in worth.items())
                   + (": met." if all(w <= TOKEN_RATIO_GOAL for w in worth.values()) else "; not met.")
                   + f" Each seed reads the fewest tokens that any of (b)'s runs needed ({read})."
                   + (" \\* extrapolated past (b)'s curve on a line through its last three points, since no run of it "
-                     "reached that bpb." if any(any(v["token_ratio_extrapolated"]) for v in entries) else ""), ""]
+                     "reached that bpb." if any(any(v["token_ratio_extrapolated"]) for v in ratios.values()) else ""), ""]
     lines += ["## Sweeps (seed 0, validation split)", "",
               "![validation bpb against the learning rate](../../bench/results/honest/sweeps.png)", "",
               "| arm | validation bpb (mean over evaluations) | train s |", "|---|---|---|"]
