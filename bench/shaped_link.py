@@ -227,12 +227,6 @@ def drive(job: dict) -> int:
                                              "credentials_env": prefix}
                 island_servers[end.island] = own
                 log(f"S3 endpoint {own.endpoint_url} in {end.namespace}: island {end.island}'s own store")
-        islands_arms = [arm for arm in job["arms"] if arm != "standard"]
-        api_url = servers.enter_context(island_sites(plan, arm_spec(
-            job["configs"][islands_arms[0]], job["rounds"], server.endpoint_url, island_stores),
-            Path(job["workdir"]))) if islands_arms else None
-        # Profiled with the sites up: their server and workers share the cores with the run's learners,
-        # so they share them with the profile's too.
         profile_store = {"url": "s3://archipelago/profile", "endpoint_url": server.endpoint_url}
         predicted = {arm: predict(arm_spec(job["configs"][arm], job["rounds"], server.endpoint_url, island_stores,
                                            job["checkpoint_every"]),
@@ -241,6 +235,10 @@ def drive(job: dict) -> int:
             predicted["standard"] = predict_standard(
                 arm_spec(job["configs"]["standard"], job["rounds"], server.endpoint_url, {}), plan.rate_bps,
                 job["rate"]["calibrated_step_seconds"], predicted.get("allreduce", next(iter(predicted.values()))))
+        islands_arms = [arm for arm in job["arms"] if arm != "standard"]
+        api_url = servers.enter_context(island_sites(plan, arm_spec(
+            job["configs"][islands_arms[0]], job["rounds"], server.endpoint_url, island_stores),
+            Path(job["workdir"]))) if islands_arms else None
         runs: dict[str, list[dict]] = {arm: [] for arm in job["arms"]}
         ran = {}
         for repeat in range(job["repeats"]):  # arm by arm within a repeat, so arms compare side by side
