@@ -9,9 +9,10 @@ data for 20 tokens per parameter. At each size:
   processes exchanging through the store, exact means every round: `allreduce` mode), H = 30 inner
   steps, an outer Nesterov step (momentum 0.9), at standard training's chosen global batch (B / M rows
   per learner). Per M at the smallest size, the outer learning rate is swept at standard training's
-  chosen rate, then the inner rate as a multiple of that; the larger sizes keep both (the outer rate,
-  and the inner rate's multiple of their own standard rate: Charles et al. find the best outer rate
-  does not move with size).
+  chosen rate, then the inner rate as a multiple of that. The larger sizes keep the outer rate
+  (Charles et al. find the best outer rate does not move with size) and sweep the inner rate's
+  multiple again, from the next smaller size's: a multiple kept from 0.2 M put the inner rate past
+  where standard training itself diverges at 1 M.
 
 The gap is an arm's held-out bpb over standard training's at its chosen settings, minus one; fitted per
 M as a line in log10(parameters), beside the same fit of Charles et al.'s figures (35 M to 2.4 B,
@@ -149,27 +150,32 @@ class SizeArm:
 class Plan:
     todo: list[SizeArm]
     standard: dict[str, tuple[int, float]]  # size: (global batch, learning rate), once chosen
-    outer: dict[int, tuple[float, float]]  # M: (outer learning rate, inner rate's factor), once chosen at the smallest size
+    outer: dict[int, float]  # M: outer learning rate, once chosen at the smallest size
+    # (size, M): the learners' inner rate over standard training's chosen one, once chosen at that size
+    inner_factor: dict[tuple[str, int], float]
+
+    def islands(self, size: str, learners: int, factor: float) -> SizeArm:
+        """M learners at a size's standard batch and rate times `factor`, at M's outer rate."""
+        batch, lr = self.standard[size]
+        return SizeArm("islands", size, quality.nice(lr * factor), batch, learners, self.outer[learners])
 
     def chosen(self, size: str, learners: int | None) -> SizeArm | None:
         """Standard training (learners None) or M learners at a size's chosen settings, once chosen."""
         if size not in self.standard:
             return None
-        batch, lr = self.standard[size]
         if learners is None:
-            return SizeArm("standard", size, lr, batch)
-        if learners not in self.outer:
-            return None
-        outer, factor = self.outer[learners]
-        return SizeArm("islands", size, quality.nice(lr * factor), batch, learners, outer)
+            return SizeArm("standard", size, self.standard[size][1], self.standard[size][0])
+        factor = self.inner_factor.get((size, learners))
+        return None if factor is None else self.islands(size, learners, factor)
 
 
 def plan(results: dict[str, dict]) -> Plan:
-    """Size by size from the smallest: standard training's sweeps, then each M (its outer rate, then its
-    inner rate's factor, swept at the smallest size and kept at the larger ones)."""
-    out = Plan([], {}, {})
+    """Size by size from the smallest: standard training's sweeps, then each M (its outer rate, swept at
+    the smallest size and kept at the larger ones, then its inner rate's factor, swept at every size)."""
+    out = Plan([], {}, {}, {})
     smallest = next(iter(SIZES))
     first_batch, first_rates = FIRST_BATCH, FIRST_LEARNING_RATES
+    previous = smallest
     for size in SIZES:
         todo, chosen = quality.batch_and_rate_sweep(
             results, lambda batch, lr, size=size: SizeArm("standard", size, lr, batch),
@@ -186,14 +192,21 @@ def plan(results: dict[str, dict]) -> Plan:
             if size == smallest:
                 todo, outer = quality.interior_sweep(
                     results, lambda o, m=m: SizeArm("islands", size, lr, batch, m, o), OUTER_LEARNING_RATES, step=1.4)
-                if outer is not None:
-                    todo, factor = quality.interior_sweep(
-                        results, lambda k, m=m: SizeArm("islands", size, quality.nice(lr * k), batch, m, outer), INNER_FACTORS)
-                    if factor is not None:
-                        out.outer[m] = (outer, factor)
                 out.todo += todo
-            elif m in out.outer:
-                out.todo.append(out.chosen(size, m))
+                if outer is None:
+                    continue
+                out.outer[m], factors = outer, INNER_FACTORS
+            elif (smaller_factor := out.inner_factor.get((previous, m))) is not None:
+                # From the smaller size's multiple and half of it: rates that suit a model tend to fall with size.
+                factors = (smaller_factor / 2, smaller_factor)
+            else:
+                continue
+            todo, factor = quality.interior_sweep(
+                results, lambda k, m=m, size=size: out.islands(size, m, k), factors)
+            out.todo += todo
+            if factor is not None:
+                out.inner_factor[(size, m)] = factor
+        previous = size
     out.todo = [arm for arm in dict.fromkeys(out.todo) if arm.name not in results]
     return out
 
@@ -220,8 +233,7 @@ def summary(results: dict[str, dict]) -> dict:
     chosen = plan(results)
     out = {**recorded(list(results.values())), "tokens_per_parameter": TOKENS_PER_PARAMETER,
            "inner_steps": INNER_STEPS, "outer_momentum": OUTER_MOMENTUM,
-           "outer_lr": {str(m): lr for m, (lr, _) in chosen.outer.items()},
-           "inner_lr_factor": {str(m): factor for m, (_, factor) in chosen.outer.items()}, "sizes": {}, "fits": {},
+           "outer_lr": {str(m): lr for m, lr in chosen.outer.items()}, "sizes": {}, "fits": {},
            "published": {"points": {f"{n:g}": {str(m): g for m, g in row.items()} for n, row in PUBLISHED.items()},
                          "fits": {str(m): gap_fit({n: row[m] for n, row in PUBLISHED.items()}) for m in LEARNERS}},
            "still_to_run": [a.name for a in chosen.todo]}
@@ -236,7 +248,8 @@ def summary(results: dict[str, dict]) -> dict:
             islands = (arm := chosen.chosen(size, m)) and results.get(arm.name)
             if islands:
                 gaps = {e: islands["bpb"][e] / standard["bpb"][e] - 1 for e in standard["bpb"]}
-                entry["learners"][str(m)] = {"bpb": islands["bpb"], "gap": gaps, "mean_gap": statistics.fmean(gaps.values())}
+                entry["learners"][str(m)] = {"bpb": islands["bpb"], "gap": gaps, "mean_gap": statistics.fmean(gaps.values()),
+                                             "lr": arm.lr, "inner_lr_factor": chosen.inner_factor[(size, m)]}
         out["sizes"][size] = entry
     for m in LEARNERS:
         out["fits"][str(m)] = gap_fit({s["parameters"]: s["learners"][str(m)]["mean_gap"]
@@ -280,8 +293,8 @@ def page(table: dict, results: dict[str, dict]) -> str:
              "| size | parameters | tokens | standard (batch, lr) | " + " | ".join(f"M={m}" for m in LEARNERS) + " |",
              "|---|---|---|---|" + "---|" * len(LEARNERS)]
     for size, entry in table["sizes"].items():
-        cells = [f"{entry['learners'][str(m)]['mean_gap']:+.2%}" if str(m) in entry["learners"] else "-"
-                 for m in LEARNERS]
+        cells = [f"{entry['learners'][str(m)]['mean_gap']:+.2%} ({entry['learners'][str(m)]['inner_lr_factor']:g}x)"
+                 if str(m) in entry["learners"] else "-" for m in LEARNERS]
         lines.append(f"| {size} | {entry['parameters']:,} | {entry['tokens']:,} | {entry['standard']['global_batch']}, "
                      f"{entry['standard']['lr']:g} | " + " | ".join(cells) + " |")
     for n, row in PUBLISHED.items():
@@ -293,8 +306,9 @@ def page(table: dict, results: dict[str, dict]) -> str:
         fmt = (lambda f: f"{f['intercept']:+.3f}, {f['slope_per_decade']:+.3f}" if f else "-")
         lines.append(f"| {m} | {fmt(ours)} | {fmt(theirs)} |")
     if table["outer_lr"]:
-        lines += ["", "Chosen at the smallest size, per M: outer learning rate, inner rate over standard training's: " +
-                  ", ".join(f"M={m}: {lr:g}, {table['inner_lr_factor'][m]:g}x" for m, lr in table["outer_lr"].items()) + "."]
+        lines += ["", "In brackets: the learners' inner rate over standard training's, swept per size. Outer learning "
+                  "rate per M, chosen at the smallest size: " +
+                  ", ".join(f"M={m}: {lr:g}" for m, lr in table["outer_lr"].items()) + "."]
     lines += ["", "## Arms (validation bpb, mean over evaluations)", "", "| arm | validation | held-out | train s |",
               "|---|---|---|---|"]
     for name, result in sorted(results.items()):

@@ -63,14 +63,18 @@ def test_sweeps_end_interior_and_every_size_runs_every_m_at_its_chosen_settings(
     chosen = plan(results)
     assert not chosen.todo
     assert all(chosen.standard[size][0] == 32 for size in SIZES)
-    assert chosen.outer == {1: (0.7, 1.0), 2: (0.7, 1.0), 4: (0.7, 1.0), 8: (1.0, 0.5)}
+    assert chosen.outer == {1: 0.7, 2: 0.7, 4: 0.7, 8: 1.0}
+    # The stand-in's best inner rate is the same multiple at every size; each size's sweep finds it again.
+    assert chosen.inner_factor == {(size, m): 0.5 if m == 8 else 1.0 for size in SIZES for m in LEARNERS}
     islands = [r for r in results.values() if r["kind"] == "islands"]
     assert {(r["size"], r["learners"]) for r in islands} == {(s, m) for s in SIZES for m in LEARNERS}
     assert all(r["global_batch"] == 32 for r in islands)
-    # Past the smallest size, M = 8 keeps half of standard training's chosen rate.
-    eights = [r for r in islands if r["learners"] == 8 and r["size"] != next(iter(SIZES))]
-    assert eights and all(r["lr"] == pytest.approx(chosen.standard[r["size"]][1] * 0.5, rel=0.03) for r in eights)
+    # Past the smallest size, each M's inner sweep starts at the smaller size's multiple and half of it.
+    for larger in list(SIZES)[1:]:
+        tried = sorted({r["lr"] / chosen.standard[larger][1] for r in islands if r["size"] == larger and r["learners"] == 8})
+        assert tried == pytest.approx([0.25, 0.5, 1.0], rel=0.03)
     table = summary(results)
+    assert all(table["sizes"][size]["learners"]["8"]["inner_lr_factor"] == 0.5 for size in SIZES)
     for size in SIZES:
         # The stand-in's learners lose 1% of bpb per learner past the first, at every size.
         gaps = [table["sizes"][size]["learners"][str(m)]["mean_gap"] for m in LEARNERS]
