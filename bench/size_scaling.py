@@ -286,7 +286,8 @@ def page(table: dict, results: dict[str, dict]) -> str:
              "",
              f"Dense byte GPTs, {TOKENS_PER_PARAMETER} tokens per parameter, configs/brief.yaml's data; DiLoCo with "
              f"M one-learner islands (exact means every round, H = {INNER_STEPS}, outer Nesterov, momentum "
-             f"{OUTER_MOMENTUM}) at standard training's chosen batch, their learning rates tuned per M, against "
+             f"{OUTER_MOMENTUM}) at standard training's chosen batch, their inner rate tuned per size and M, their "
+             "outer rate per M, against "
              "standard training tuned on the validation split. Held-out bpb, mean over the evaluations, seed 0.",
              "",
              "![gap against size](../../bench/results/size_scaling/gap.png)", "",
