@@ -32,11 +32,6 @@ def learner_prefix(learner: int) -> str:
     return f"learners/{learner:03d}"
 
 
-def learner_of(key: str) -> int:
-    """Whose object a key under `learner_prefix` is."""
-    return int(key.split("learners/")[1].split("/")[0])
-
-
 def round_prefix(learner: int, round_index: int) -> str:
     return f"{learner_prefix(learner)}/round-{round_index:05d}"
 

@@ -1,7 +1,22 @@
 import pytest
 import torch
 
-from training.exchange.mixing import butterfly_average, butterfly_partner, mix_pair, stage_count, weighted_mean
+from training.exchange.mixing import butterfly_partner, mix_pair, stage_count, weighted_mean
+
+
+def butterfly_average(values: list[torch.Tensor], stages: int | None = None) -> list[torch.Tensor]:
+    """`stages` stages of the butterfly's pairwise averaging over N values with no training in between:
+    the mixing network alone, which the tests below pin down through `butterfly_partner`."""
+    n = len(values)
+    current = [v.clone() for v in values]
+    for stage in range(stage_count(n) if stages is None else stages):
+        nxt = []
+        for i in range(n):
+            partner = butterfly_partner(i, stage, n)
+            nxt.append(current[i] if partner is None else weighted_mean(
+                [current[min(i, partner)], current[max(i, partner)]], [1.0, 1.0]))
+        current = nxt
+    return current
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

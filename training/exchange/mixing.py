@@ -112,21 +112,3 @@ def mix_pair(anchor: torch.Tensor, delta: torch.Tensor, tokens: float,
     mixed_anchor = weighted_mean([p[1] for p in pair], [1.0, 1.0])
     mixed_delta = weighted_mean([p[2] for p in pair], [p[3] for p in pair])
     return mixed_anchor, mixed_delta
-
-
-def butterfly_average(values: list[torch.Tensor], stages: int | None = None) -> list[torch.Tensor]:
-    """Run `stages` butterfly stages of pairwise averaging over N values (no training in between).
-
-    This is the pure mixing network; with N a power of two and log2 N stages every entry is the
-    exact mean. Used by consolidation and by the tests that pin the pairing down.
-    """
-    n = len(values)
-    current = [v.clone() for v in values]
-    for stage in range(stage_count(n) if stages is None else stages):
-        nxt = []
-        for i in range(n):
-            partner = butterfly_partner(i, stage, n)
-            nxt.append(current[i] if partner is None else weighted_mean(
-                [current[min(i, partner)], current[max(i, partner)]], [1.0, 1.0]))
-        current = nxt
-    return current
