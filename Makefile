@@ -17,9 +17,10 @@ demo: setup
 	$(BIN)/archipelago run configs/demo.yaml --report reports/demo.json
 
 # Two workers, a test file each at a time (module fixtures stay whole): most tests wait on servers and
-# learner processes, so two of them share 2 cores in about half the time one takes alone.
+# learner processes, so two of them share 2 cores in about half the time one takes alone. Files start in
+# the order tests/conftest.py gives them (heaviest first), not xdist's (most tests first).
 test: setup browser
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # The browser test renders the Prefect UI in Debian's headless Chromium; install it when missing.
 browser:

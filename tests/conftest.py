@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,10 +26,10 @@ INTEGRATION_MODULES = {"test_baseline", "test_cli", "test_deadlines", "test_secu
                        "test_seaweed_smoke", "test_splits", "test_windows"}
 
 
-def pytest_collection_modifyitems(items):
+def pytest_collection_modifyitems(config, items):
     """Every test in one tier: `ui` and `integration` as marked (a module's `pytestmark` or the test's
     own), else integration when it uses a server fixture, is the S3 side of a parametrised test or sits
-    in one of `INTEGRATION_MODULES`, else unit."""
+    in one of `INTEGRATION_MODULES`, else unit. Spread over workers, files start heaviest tier first."""
     for item in items:
         if item.get_closest_marker("ui") or item.get_closest_marker("integration"):
             continue
@@ -38,6 +39,19 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.integration)
         else:
             item.add_marker(pytest.mark.unit)
+    if config.getoption("dist", "no") != "no":
+        items[:] = heaviest_files_first(items)
+
+
+def heaviest_files_first(items: list) -> list:
+    """Whole files, those with a UI test first, then those with an integration test, then the rest, each
+    group in collection order. The UI test is the suite's longest by far: xdist's own order (most tests
+    first) starts its one-test file last, to run alone on one worker while the other idles."""
+    rank: dict[Path, int] = {}
+    for item in items:
+        tier = 0 if item.get_closest_marker("ui") else 1 if item.get_closest_marker("integration") else 2
+        rank[item.path] = min(rank.get(item.path, tier), tier)
+    return sorted(items, key=lambda item: rank[item.path])
 
 
 @pytest.fixture(scope="session", autouse=True)
