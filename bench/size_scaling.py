@@ -11,8 +11,9 @@ data for 20 tokens per parameter. At each size:
   per learner). Per M at the smallest size, the outer learning rate is swept at standard training's
   chosen rate, then the inner rate as a multiple of that. The larger sizes keep the outer rate
   (Charles et al. find the best outer rate does not move with size) and sweep the inner rate's
-  multiple again, from the next smaller size's: a multiple kept from 0.2 M put 1 M's M=2 at 7e-3, a
-  rate at which standard training itself is 9.6% worse than at its chosen 3.5e-3.
+  multiple again, from the next smaller size's (M = 8 from M = 4's at the same size, which it matched
+  at both smaller sizes): a multiple kept from 0.2 M put 1 M's M=2 at 7e-3, a rate at which standard
+  training itself is 9.6% worse than at its chosen 3.5e-3.
 
 The gap is an arm's held-out bpb over standard training's at its chosen settings, minus one; fitted per
 M as a line in log10(parameters), beside the same fit of Charles et al.'s figures (35 M to 2.4 B,
@@ -197,6 +198,13 @@ def plan(results: dict[str, dict]) -> Plan:
                 if outer is None:
                     continue
                 out.outer[m], factors = outer, INNER_FACTORS
+            elif m == LEARNERS[-1]:
+                # At both smaller sizes M = 8 chose M = 4's multiple; starting there at the larger sizes
+                # spares the arms a start from the smaller size's multiple spends on the way down (at
+                # 1 M, the two from 1x to 0.25x, about 50 minutes each on 2 cores).
+                if (fewer_learners := out.inner_factor.get((size, LEARNERS[-2]))) is None:
+                    continue
+                factors = (fewer_learners, fewer_learners * 2)
             elif (smaller_factor := out.inner_factor.get((previous, m))) is not None:
                 # From the smaller size's multiple and half of it: rates that suit a model tend to fall with size.
                 factors = (smaller_factor / 2, smaller_factor)
