@@ -69,10 +69,15 @@ def test_sweeps_end_interior_and_every_size_runs_every_m_at_its_chosen_settings(
     islands = [r for r in results.values() if r["kind"] == "islands"]
     assert {(r["size"], r["learners"]) for r in islands} == {(s, m) for s in SIZES for m in LEARNERS}
     assert all(r["global_batch"] == 32 for r in islands)
-    # Past the smallest size, each M's inner sweep starts at the smaller size's multiple and half of it.
-    for larger in list(SIZES)[1:]:
-        tried = sorted({r["lr"] / chosen.standard[larger][1] for r in islands if r["size"] == larger and r["learners"] == 8})
-        assert tried == pytest.approx([0.25, 0.5, 1.0], rel=0.03)
+    # Past the smallest size, each M's inner sweep starts at the smaller size's multiple and half of it;
+    # M = 8's at M = 4's multiple at the same size and twice it.
+    for smaller, larger in zip(SIZES, list(SIZES)[1:]):
+        for m in LEARNERS:
+            tried = [r["lr"] / chosen.standard[larger][1] for r in islands if r["size"] == larger and r["learners"] == m]
+            start = (chosen.inner_factor[(larger, 4)], 2 * chosen.inner_factor[(larger, 4)]) if m == 8 else \
+                (chosen.inner_factor[(smaller, m)] / 2, chosen.inner_factor[(smaller, m)])
+            assert sorted(tried[:2]) == pytest.approx(start, rel=0.03)
+        assert len(tried) == 4  # M = 8 from 1x and 2x down to its best 0.5x, and 0.25x past it
     table = summary(results)
     assert all(table["sizes"][size]["learners"]["8"]["inner_lr_factor"] == 0.5 for size in SIZES)
     for size in SIZES:
