@@ -201,7 +201,7 @@ def plan(results: dict[str, dict]) -> Plan:
             elif m == LEARNERS[-1]:
                 # At both smaller sizes M = 8 chose M = 4's multiple; starting there at the larger sizes
                 # spares the arms a start from the smaller size's multiple spends on the way down (at
-                # 1 M, the two from 1x to 0.25x, about 50 minutes each on 2 cores).
+                # 1 M, those at 1x and 0.5x, about 50 minutes each on 2 cores).
                 if (fewer_learners := out.inner_factor.get((size, LEARNERS[-2]))) is None:
                     continue
                 factors = (fewer_learners, fewer_learners * 2)
