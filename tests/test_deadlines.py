@@ -18,7 +18,7 @@ import pytest
 
 from infra.retry import RetryPolicy
 from infra.spec import parse_spec
-from infra.store import ObjectStore, StoreUnavailable
+from infra.store import ObjectMissing, ObjectStore, StoreUnavailable
 from training.exchange.transport import Transport
 from infra.watchdog import STALLED, Watchdog
 from training.model.registry import build_model
@@ -138,6 +138,8 @@ def test_a_partner_wait_ends_at_its_deadline_while_the_peers_records_trickle(tri
     model = build_model(spec)
     east = Exchanger(spec, spec.learners[0], Transport(store), model, flat_parameters(model),
                      skipped=Lives(lambda learner: store, spec.sync.rounds).skipped_by)
+    with pytest.raises(ObjectMissing):  # the store's client is made on its first request: not part of the wait
+        store.get_bytes("learners/001/round-00000/message.json")
     began = time.monotonic()
     receipt = east.receive(1, 0, began + wait_s if deadline_given else None)
     seconds = time.monotonic() - began
