@@ -62,7 +62,10 @@ class TricklingServer:
                 length = next((int(line.split(b":")[1]) for line in headers.split(b"\r\n")
                                if line.lower().startswith(b"content-length:")), 0)
                 while len(body) < length:
-                    body += conn.recv(65536)
+                    chunk = conn.recv(65536)
+                    if not chunk:  # the client gave up mid-body (a PUT past its budget)
+                        return
+                    body += chunk
                 request_line = headers.split(b"\r\n")[0].decode()
                 try:
                     if self.trickles(request_line):
