@@ -8,9 +8,15 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
 setup: $(VENV)/.installed
 
+# uv installs the same pins as pip in seconds rather than minutes. It does not read pip's configuration,
+# so the folders pip finds local builds in (the CPU build of torch, on machines that keep one) are passed on.
+FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[test,kubernetes,tensorboard,mlflow,wandb]"
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check uv
+	$(BIN)/uv pip install --quiet --python $(BIN)/python $(addprefix --find-links=,$(FIND_LINKS)) \
+		-e ".[test,kubernetes,tensorboard,mlflow,wandb]"
 	touch $@
 
 demo: setup
@@ -18,7 +24,7 @@ demo: setup
 
 # Two workers, a test file each at a time (module fixtures stay whole): most tests wait on servers and
 # learner processes, so two of them share 2 cores in about half the time one takes alone. Files start in
-# the order tests/conftest.py gives them (heaviest first), not xdist's (most tests first).
+# the order tests/conftest.py gives them (longest first, by tests/file_seconds.json), not xdist's (most tests first).
 test: setup browser
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -26,10 +27,21 @@ INTEGRATION_MODULES = {"test_baseline", "test_cli", "test_deadlines", "test_secu
                        "test_seaweed_smoke", "test_splits", "test_windows"}
 
 
+# Seconds each test file took in a full run on 2 cores: spread over workers, files start longest first,
+# so that the last file to finish on one worker is a short one. Refresh it after a file changes much:
+# `pytest -n 2 --dist loadfile --no-loadscope-reorder --record-file-seconds tests/file_seconds.json`.
+FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--record-file-seconds", metavar="PATH",
+                     help="write each test file's seconds (setup, call and teardown of its tests) to PATH as JSON")
+
+
 def pytest_collection_modifyitems(config, items):
     """Every test in one tier: `ui` and `integration` as marked (a module's `pytestmark` or the test's
     own), else integration when it uses a server fixture, is the S3 side of a parametrised test or sits
-    in one of `INTEGRATION_MODULES`, else unit. Spread over workers, files start heaviest tier first."""
+    in one of `INTEGRATION_MODULES`, else unit. Spread over workers, files start longest first."""
     for item in items:
         if item.get_closest_marker("ui") or item.get_closest_marker("integration"):
             continue
@@ -39,19 +51,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.integration)
         else:
             item.add_marker(pytest.mark.unit)
-    if config.getoption("dist", "no") != "no":
-        items[:] = heaviest_files_first(items)
+    # xdist schedules files in the order its workers collect them, and tells a worker it runs no `--dist`.
+    if hasattr(config, "workerinput") or config.getoption("dist", "no") != "no":
+        items[:] = longest_files_first(items, json.loads(FILE_SECONDS.read_text()))
 
 
-def heaviest_files_first(items: list) -> list:
-    """Whole files, those with a UI test first, then those with an integration test, then the rest, each
-    group in collection order. The UI test is the suite's longest by far: xdist's own order (most tests
-    first) starts its one-test file last, to run alone on one worker while the other idles."""
-    rank: dict[Path, int] = {}
-    for item in items:
-        tier = 0 if item.get_closest_marker("ui") else 1 if item.get_closest_marker("integration") else 2
-        rank[item.path] = min(rank.get(item.path, tier), tier)
-    return sorted(items, key=lambda item: rank[item.path])
+def longest_files_first(items: list, seconds: dict[str, float]) -> list:
+    """Whole files, longest first by `seconds`; a file with no record yet first of all, as it may be long."""
+    return sorted(items, key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    file = report.nodeid.split("::")[0]
+    _file_seconds[file] = _file_seconds.get(file, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("record_file_seconds")
+    if path and not hasattr(session.config, "workerinput"):
+        Path(path).write_text(json.dumps({name: round(s, 1) for name, s in sorted(_file_seconds.items())}, indent=1) + "\n")
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,7 +24,6 @@ import tempfile
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import pytest
 
@@ -102,6 +101,26 @@ class Chromium:
             assert time.monotonic() < deadline, f"{url} did not load"
             time.sleep(0.2)
 
+    def log_in(self, origin: str, auth_string: str) -> None:
+        """As the UI's login form does it: the auth string, base64-encoded, in the origin's localStorage
+        (`prefect-password`), which the app sends as basic auth."""
+        self.open(f"{origin}/robots.txt")
+        token = base64.b64encode(auth_string.encode()).decode()
+        self.evaluate(f"localStorage.setItem('prefect-password', {json.dumps(token)})")
+
+    def render(self, url: str, screenshot: Path, expect: list[str], timeout_s: float = 90) -> str:
+        """The page's DOM once the single-page app shows every text in `expect` (or after `timeout_s`),
+        and a screenshot of it."""
+        self.open(url)
+        deadline = time.monotonic() + timeout_s
+        while not all(text in (dom := self.evaluate("document.documentElement.outerHTML")) for text in expect) \
+                and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(1)  # the last fetched parts drawn
+        dom = self.evaluate("document.documentElement.outerHTML")
+        screenshot.write_bytes(base64.b64decode(self.page("Page.captureScreenshot", format="png")["data"]))
+        return dom
+
     def close(self) -> None:
         with contextlib.suppress(OSError, AssertionError):
             self._call("Browser.close")
@@ -114,30 +133,15 @@ class Chromium:
         os.close(self._from_browser)
 
 
-def render(url: str, screenshot: Path, expect: list[str], auth_string: str | None, timeout_s: float = 90) -> str:
-    """The page's DOM once the single-page app shows every text in `expect` (or after `timeout_s`),
-    and a screenshot of it. With `auth_string`, logged in first as the UI's login form does it: the
-    string, base64-encoded, in the origin's localStorage (`prefect-password`), which the app sends
-    as basic auth."""
-    origin = "{0.scheme}://{0.netloc}".format(urlsplit(url))
+@contextlib.contextmanager
+def chromium():
+    """One browser, with a profile of its own, for every page a test renders."""
     with tempfile.TemporaryDirectory() as profile:
         browser = Chromium(profile)
         try:
-            if auth_string is not None:
-                browser.open(f"{origin}/robots.txt")
-                token = base64.b64encode(auth_string.encode()).decode()
-                browser.evaluate(f"localStorage.setItem('prefect-password', {json.dumps(token)})")
-            browser.open(url)
-            deadline = time.monotonic() + timeout_s
-            while not all(text in (dom := browser.evaluate("document.documentElement.outerHTML")) for text in expect) \
-                    and time.monotonic() < deadline:
-                time.sleep(0.5)
-            time.sleep(1)  # the last fetched parts drawn
-            dom = browser.evaluate("document.documentElement.outerHTML")
-            screenshot.write_bytes(base64.b64decode(browser.page("Page.captureScreenshot", format="png")["data"]))
+            yield browser
         finally:
             browser.close()
-    return dom
 
 
 def wait_final(client, flow_run_id, after_run_count: int = 0):
@@ -237,35 +241,37 @@ def test_a_run_from_the_ui_runs_islands_on_their_pools_reruns_what_failed_and_re
 
     # Without the auth string the UI shows nothing of the runs (its login form, or a 404 page: both say
     # "Authentication failed.")...
-    refused = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "0-unauthenticated.png", ["Authentication failed."],
-                     None)
+    with chromium() as browser:
+        refused = browser.render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "0-unauthenticated.png",
+                                 ["Authentication failed."])
+        browser.log_in(ui, auth_string)
+        # ...with it, what a person sees: the run spec as the deployment's run form (titles, descriptions, dropdowns)...
+        form = browser.render(f"{ui}/deployments/deployment/{deployment.id}/run", OUTPUT / "0-run-form.png",
+                              ["Inner Steps", "Bytes per training sequence."])
+        # ...the run, its task graph, an island's segment on its work pool, and the artifacts...
+        run_page = browser.render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "1-run.png", [done.name, "Completed"])
+        graph_page = browser.render(f"{ui}/runs/flow-run/{retried.id}?tab=Task%20Runs",
+                                    OUTPUT / "2-lifecycle-task-graph.png", ["figures", "segments-east"])
+        east = next(s for s in segments if s.work_pool_name == "island-east")
+        segment_page = browser.render(f"{ui}/runs/flow-run/{east.id}", OUTPUT / "3-east-segment.png", [east.name])
+        plot_page = browser.render(f"{ui}/artifacts/artifact/{by_key['bpb-vs-tokens'].id}",
+                                   OUTPUT / "4-bpb-vs-tokens.png", ["data:image/png;base64,"])
+        table_page = browser.render(f"{ui}/artifacts/artifact/{by_key['bpb-table'].id}", OUTPUT / "5-bpb-table.png",
+                                    ["islands_bpb"])
+        # ...and, with tracking on, the link to the run's tracker run, whose event files the islands wrote.
+        tracker = by_key["tracker-run"]
+        tracker_page = browser.render(f"{ui}/artifacts/artifact/{tracker.id}", OUTPUT / "6-tracker-run.png",
+                                      [f"tensorboard run {run_id}"])
     assert "Authentication failed." in refused and done.name not in refused
-    # ...with it, what a person sees: the run spec as the deployment's run form (titles, descriptions, dropdowns)...
-    form = render(f"{ui}/deployments/deployment/{deployment.id}/run", OUTPUT / "0-run-form.png",
-                  ["Inner Steps", "Bytes per training sequence."], auth_string)
     assert "Inner Steps" in form and "Bytes per training sequence." in form and "Windows" in form
     assert re.search(r'<option[^>]*value="allreduce"', form), "the sync mode is not a dropdown"
-    # ...the run, its task graph, an island's segment on its work pool, and the artifacts.
-    run_page = render(f"{ui}/runs/flow-run/{done.id}", OUTPUT / "1-run.png", [done.name, "Completed"], auth_string)
     assert done.name in run_page and "Completed" in run_page
-    graph_page = render(f"{ui}/runs/flow-run/{retried.id}?tab=Task%20Runs", OUTPUT / "2-lifecycle-task-graph.png",
-                        ["figures", "segments-east"], auth_string)
     assert "<canvas" in graph_page, "the task graph did not render"
     for name in ("segments-east", "segments-west", "evaluate-curve", "figures", "train-standard-baseline"):
         assert name in graph_page
-    east = next(s for s in segments if s.work_pool_name == "island-east")
-    segment_page = render(f"{ui}/runs/flow-run/{east.id}", OUTPUT / "3-east-segment.png", [east.name], auth_string)
     assert east.name in segment_page and "Work Pool" in segment_page and "island-east" in segment_page
-    plot_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-vs-tokens'].id}", OUTPUT / "4-bpb-vs-tokens.png",
-                       ["data:image/png;base64,"], auth_string)
     assert re.search(r'<img[^>]+src="data:image/png;base64,', plot_page), "the plot did not render as an image"
-    table_page = render(f"{ui}/artifacts/artifact/{by_key['bpb-table'].id}", OUTPUT / "5-bpb-table.png",
-                        ["islands_bpb"], auth_string)
     assert "islands_bpb" in table_page and "prose" in table_page and "code" in table_page
-    # ...and, with tracking on, the link to the run's tracker run, whose event files the islands wrote.
-    tracker = by_key["tracker-run"]
-    tracker_page = render(f"{ui}/artifacts/artifact/{tracker.id}", OUTPUT / "6-tracker-run.png",
-                          [f"tensorboard run {run_id}"], auth_string)
     link = re.fullmatch(r"\[(.+)\]\((file://\S+)\)", tracker.data)
     assert link and link[1] == f"tensorboard run {run_id}" and link[2].endswith(f"/tensorboard/{run_id}")
     assert f"tensorboard run {run_id}" in tracker_page and f'href="{link[2]}"' in tracker_page
