@@ -7,6 +7,7 @@ the server liked (minutes here). Each test measures a give-up against its budget
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -50,32 +51,35 @@ class TricklingServer:
             threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            while True:  # keep-alive: one request after another on the connection
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    chunk = conn.recv(65536)
-                    if not chunk:
-                        return
-                    head += chunk
-                headers, _, body = head.partition(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in headers.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                while len(body) < length:
-                    chunk = conn.recv(65536)
-                    if not chunk:  # the client gave up mid-body (a PUT past its budget)
-                        return
-                    body += chunk
-                request_line = headers.split(b"\r\n")[0].decode()
-                try:
-                    if self.trickles(request_line):
-                        for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 1000:
-                            conn.sendall(bytes([byte]))
-                            time.sleep(BYTE_EVERY_S)
-                    conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Type: application/xml\r\n"
-                                 b"Content-Length: %d\r\n\r\n%s" % (len(NO_SUCH_KEY), NO_SUCH_KEY))
-                except OSError:  # the client abandoned the request
-                    return
+        """One request after another on the connection (keep-alive), until the client closes it; a client
+        that gives up mid-request or mid-answer, or resets the connection, ends it too."""
+        with conn, contextlib.suppress(OSError):
+            while (request_line := self._request(conn)) is not None:
+                if self.trickles(request_line):
+                    for byte in b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n" + b"x" * 1000:
+                        conn.sendall(bytes([byte]))
+                        time.sleep(BYTE_EVERY_S)
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Type: application/xml\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(NO_SUCH_KEY), NO_SUCH_KEY))
+
+    @staticmethod
+    def _request(conn: socket.socket) -> str | None:
+        """The next request's first line, its headers and body read; None once the client has closed."""
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            head += chunk
+        headers, _, body = head.partition(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in headers.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        while len(body) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            body += chunk
+        return headers.split(b"\r\n")[0].decode()
 
     def store(self, budget_s: float) -> ObjectStore:
         return ObjectStore("s3://slow/run", self.endpoint_url, RetryPolicy(attempts=8, budget_s=budget_s),
