@@ -11,8 +11,8 @@ setup: $(VENV)/.installed
 # uv installs the same pins as pip in under a minute rather than minutes. It does not read pip's
 # configuration, so the folders pip finds local builds in (the CPU build of torch, on machines that keep
 # one) are passed on; and it compiles bytecode only when asked, which matters where PYTHONDONTWRITEBYTECODE
-# is set: every process would compile each module it imports again.
-FIND_LINKS := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+# is set: every process would compile each module it imports again. (`=`: pip is asked only when installing.)
+FIND_LINKS = $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -58,14 +58,14 @@ def pytest_collection_modifyitems(config, items):
 
 def longest_files_first(items: list, seconds: dict[str, float]) -> list:
     """Whole files, longest first by `seconds`; a file with no record yet first of all, as it may be long."""
-    return sorted(items, key=lambda item: -seconds.get(item.nodeid.split("::")[0], float("inf")))
+    return sorted(items, key=lambda item: -seconds.get(item.location[0], float("inf")))
 
 
 _file_seconds: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    file = report.nodeid.split("::")[0]
+    file = report.location[0]
     _file_seconds[file] = _file_seconds.get(file, 0.0) + report.duration
 
 
