@@ -8,134 +8,27 @@ form a user fills in to start a run.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
-from infra.authority import public_key_of
 from infra.fault_spec import Fault
+from infra.island_spec import IslandSpec, SigningSpec
 from infra.model_spec import BOS, BYTE_VOCAB, ModelSpec
-from infra.pool_spec import PoolSpec
-from infra.spec_model import (MAX_BATCH, MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_PARAMETERS, MAX_STEPS,
-                              MAX_WAIT_S, SEED_LIMIT, SpecModel)
+from infra.overrides import OverrideError, apply_overrides
+from infra.spec_model import (MAX_BATCH, MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_STEPS, MAX_WAIT_S,
+                              SEED_LIMIT, SpecModel)
 from infra.store import canonical_json, sha256
 from infra.store_spec import StoreSpec
 from infra.tracking_spec import TrackingSpec
-from infra.windows import CapacityWindow
 
 
 # What a learner's stall limit allows beyond its deadlines by default: its start, a slow inner step.
 _STALL_MARGIN_S = 600.0
-
-
-class SigningSpec(SpecModel):
-    """A writer's signing keys (see infra/authority.py): the public key travels with the spec, the private
-    key stays in the writer's environment."""
-
-    public_key: str = Field(description="The writer's Ed25519 public key, base64 (`archipelago keys`).")
-    private_key_env: str = Field(
-        pattern=r"^[A-Z][A-Z0-9_]{0,63}$",
-        description="Environment variable that holds the writer's Ed25519 private key (base64) where it runs; "
-                    "only the variable's name is in the spec.")
-
-    @field_validator("public_key")
-    @classmethod
-    def _an_ed25519_key(cls, text: str) -> str:
-        public_key_of(text)
-        return text
-
-
-class IslandSpec(SpecModel):
-    name: str = Field(description="Island name, unique in the run (a site or cluster).",
-                      pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
-    accelerator: str = Field("cpu", description="Accelerator label, for reports (e.g. GB300, B300, cpu).")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Torch device the island's learners train on.")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32", description="Arithmetic of the inner steps' forward and backward passes: bf16 runs them under "
-                            "autocast (the matrix units' fast format on current GPUs); weights, optimizer state, "
-                            "messages and checkpoints stay fp32.")
-    learners: int = Field(ge=1, le=64, description="Number of learners (model replicas) on this island.")
-    batch_size: int = Field(ge=1, le=MAX_BATCH, description="Sequences per inner step, per learner.")
-    seq_len: int = Field(ge=8, le=4096, description="Bytes per training sequence.")
-    inner_steps: int = Field(ge=1, le=MAX_STEPS, description="Inner AdamW steps per round (H).")
-    processes_per_learner: int = Field(
-        1, ge=1, le=MAX_LEARNER_PROCESSES,
-        description="Processes (one per accelerator) per learner, over all its nodes; more than one runs the "
-                    "learner under torchrun.")
-    parallelism: Literal["data_parallel", "fsdp"] = Field(
-        "data_parallel",
-        description="How a learner's processes share its model: data_parallel (every process a full replica, "
-                    "gradients averaged) or fsdp (weights, gradients and optimizer state sharded over the "
-                    "processes with FSDP2). Exchanges and checkpoints keep one canonical flat layout either way, "
-                    "so islands of different parallelism train together and resume each other's checkpoints.")
-    nodes_per_learner: int = Field(
-        1, ge=1, le=MAX_LEARNER_PROCESSES,
-        description="Hosts one learner spans; its processes are split evenly over them.")
-    network_interface: str | None = Field(
-        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,14}$",
-        description="Network interface the learner's processes rendezvous and communicate on (e.g. the "
-                    "island's fabric); empty: loopback, which allows one node per learner only.")
-    device_memory_gb: float | None = Field(
-        None, gt=0, description="Memory of one accelerator, GB: `archipelago plan` refuses a run whose ranks "
-                                "would not fit. Empty: not checked.")
-    store: StoreSpec | None = Field(
-        None, description="The island's own object store (a bucket near its accelerators): its learners' shards, "
-                          "checkpoints and messages live there, and only the messages partners on other islands "
-                          "read cross the link. Empty: the run's store.")
-    windows: list[CapacityWindow] = Field(
-        default_factory=list, max_length=MAX_LIST,
-        description="Reserved capacity windows; the island trains only inside them, resuming in the next one. "
-                    "Empty: always available.")
-    signing: SigningSpec | None = Field(
-        None, description="The island's signing keys: its learners sign every record they write with them, and "
-                          "readers refuse what they did not sign. Needs the run's `signing` too.")
-    pool: PoolSpec = Field(
-        default_factory=PoolSpec,
-        description="The island's work pool (`island-<name>`), which `archipelago deploy` creates: a process pool "
-                    "(learners on the worker's host, or through srun) or a kubernetes pool (a Job per segment).")
-
-    @model_validator(mode="after")
-    def _fits_its_pool(self) -> "IslandSpec":
-        if self.pool.type == "kubernetes" and self.nodes_per_learner > 1:
-            raise ValueError(f"island {self.name}: a kubernetes pool runs a segment in one pod, on one node: "
-                             f"nodes_per_learner must be 1, not {self.nodes_per_learner}")
-        return self
-
-    @model_validator(mode="after")
-    def _batch_splits_over_processes(self) -> "IslandSpec":
-        if self.batch_size % self.processes_per_learner:
-            raise ValueError(f"batch_size {self.batch_size} must be divisible by "
-                             f"processes_per_learner {self.processes_per_learner}")
-        return self
-
-    @model_validator(mode="after")
-    def _processes_split_over_nodes(self) -> "IslandSpec":
-        if self.processes_per_learner % self.nodes_per_learner:
-            raise ValueError(f"island {self.name}: processes_per_learner {self.processes_per_learner} must be "
-                             f"divisible by nodes_per_learner {self.nodes_per_learner}")
-        if self.nodes_per_learner > 1 and self.network_interface is None:
-            raise ValueError(f"island {self.name}: a learner on {self.nodes_per_learner} nodes needs the "
-                             f"network_interface its nodes reach each other on")
-        return self
-
-    @property
-    def processes_per_node(self) -> int:
-        return self.processes_per_learner // self.nodes_per_learner
-
-    @model_validator(mode="after")
-    def _windows_do_not_overlap(self) -> "IslandSpec":
-        ordered = sorted(self.windows, key=lambda w: w.start_at)
-        for earlier, later in zip(ordered, ordered[1:]):
-            if later.start_at < earlier.end_at:
-                raise ValueError(f"island {self.name}: window {later.describe()} overlaps {earlier.describe()}")
-        return self
-
-    @property
-    def ordered_windows(self) -> list[CapacityWindow]:
-        return sorted(self.windows, key=lambda w: w.start_at)
 
 
 class CorpusSpec(SpecModel):
@@ -431,16 +324,13 @@ class RunSpec(SpecModel):
 
     @model_validator(mode="after")
     def _totals_fit(self, info: ValidationInfo) -> "RunSpec":
+        # The model's size is bounded by the memory plan per rank and per host (training/planning/memory.py).
         if (info.context or {}).get("purpose") == "plan":
-            return self  # a plan on paper trains nothing here: any size may be planned
+            return self  # a plan on paper trains nothing here: any number of processes may be planned
         processes = sum(i.learners * i.processes_per_learner for i in self.islands)
         if processes > MAX_LEARNER_PROCESSES:
             raise ValueError(f"islands: {processes} learner processes (learners x processes_per_learner over all "
                              f"islands), more than the {MAX_LEARNER_PROCESSES} a run may have")
-        parameters = self.model.parameter_count(self.max_seq_len, self.vocab_size)
-        if parameters > MAX_PARAMETERS:
-            raise ValueError(f"model: {parameters:,} parameters, more than the {MAX_PARAMETERS:,} a learner can hold "
-                             "(the whole model in fp32 with its optimizers' state, about 32 bytes a parameter)")
         return self
 
     @model_validator(mode="after")
@@ -539,7 +429,8 @@ def parse_spec(raw: dict, purpose: Literal["train", "plan"] = "train") -> RunSpe
         raise SpecError(f"invalid run spec: {problems}") from None
 
 
-def load_spec(path: str | Path, purpose: Literal["train", "plan"] = "train") -> RunSpec:
+def load_spec(path: str | Path, purpose: Literal["train", "plan"] = "train", overrides: Sequence[str] = ()) -> RunSpec:
+    """The spec of a YAML file, with the command line's `--set` `overrides` (infra/overrides.py) laid over it."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"run spec not found: {path}")
@@ -549,5 +440,9 @@ def load_spec(path: str | Path, purpose: Literal["train", "plan"] = "train") -> 
         raise SpecError(f"run spec {path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
         raise SpecError(f"run spec {path} must be a mapping at the top level")
+    try:
+        raw = apply_overrides(raw, overrides)
+    except OverrideError as err:
+        raise SpecError(str(err)) from None
     return parse_spec(raw, purpose)
 

@@ -12,9 +12,6 @@ MAX_STEPS = 100_000       # inner steps per round, and outer rounds: days of tra
 MAX_WAIT_S = 7 * 86400    # a week; much larger waits (1e300) overflow time.sleep
 MAX_ISLANDS = 64          # sites in one run
 MAX_LEARNER_PROCESSES = 1024  # learners x processes_per_learner over all islands: 1024 accelerators
-# A learner holds the whole model in fp32 with its inner and outer optimizers' state, about 32 bytes a
-# parameter: 4 billion fill one of the largest accelerators (a 141 GB H200).
-MAX_PARAMETERS = 4_000_000_000
 MAX_LIST = 1000           # capacity windows of an island, faults of a run: a window a day for years
 # Seeds are derived by arithmetic (the baseline's is seed * 7919 + ...) and must stay below torch's
 # 2**64; 2**32 is also numpy's range.

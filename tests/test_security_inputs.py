@@ -132,7 +132,7 @@ def test_the_bounds_leave_a_plain_endpoint_and_generous_sizes_valid(tmp_path):
     raw["data"]["corpora"][0]["name"] = "_code"
     spec = parse_spec(raw)
     assert spec.model.width == 8192 and spec.store.endpoint_url.startswith("https://")
-    raw["model"].update(layers=4)  # 3.2 billion parameters, under the limit
+    raw["model"].update(layers=4)  # 3.2 billion parameters: the memory plan, not the spec, bounds a size
     raw["islands"] = [{"name": f"i{n}", "learners": 64, "batch_size": 2, "seq_len": 16, "inner_steps": 1,
                        "processes_per_learner": 2} for n in range(8)]  # 1,024 processes
     assert parse_spec(raw).model.parameter_count(16) > 3_200_000_000
