@@ -6,8 +6,11 @@ import argparse
 import json
 import os
 import secrets
+import subprocess
 import sys
+from collections.abc import Sequence
 from datetime import datetime, timezone
+from importlib.metadata import version
 from pathlib import Path
 from typing import Literal
 
@@ -83,16 +86,17 @@ def _print_stages(flow_run_id) -> None:
         print(f"  {STAGE_VERBS.get(state, state.lower())}: {', '.join(sorted(names))}")
 
 
-def load_spec_or_say_why(path: str, purpose: Literal["train", "plan"] = "train") -> RunSpec | None:
+def load_spec_or_say_why(path: str, purpose: Literal["train", "plan"] = "train",
+                         overrides: Sequence[str] = ()) -> RunSpec | None:
     try:
-        return load_spec(path, purpose)
+        return load_spec(path, purpose, overrides)
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return None
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec_or_say_why(args.config)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
     try:
@@ -115,7 +119,7 @@ def resume(args: argparse.Namespace) -> int:
     store's copy is taken as it is."""
     try:
         if args.config:
-            spec = load_spec(args.config)
+            spec = load_spec(args.config, overrides=args.overrides)
             stored = open_run(spec, args.run_id, writer=None).get_json(layout.SPEC)
             if spec_sha256(stored) != spec_sha256(spec):
                 print(f"error: cannot resume {args.run_id}: its store holds another spec than {args.config}",
@@ -133,7 +137,7 @@ def resume(args: argparse.Namespace) -> int:
 def prepare(args: argparse.Namespace) -> int:
     """Only the data preparation of a run spec, into the store under a fresh `prepare-` run id: to see
     the splits (and their near-duplicate groups) before spending compute on training."""
-    spec = load_spec_or_say_why(args.config)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
     raw = spec.model_dump(mode="json")
@@ -171,7 +175,7 @@ def prepare(args: argparse.Namespace) -> int:
 def plan(args: argparse.Namespace) -> int:
     """What a run will deliver on a link, before paying for it: per island and for the run; first,
     each island's memory per rank, and a refusal if its ranks would not fit its accelerators."""
-    spec = load_spec_or_say_why(args.config, "train" if args.profile_run else "plan")
+    spec = load_spec_or_say_why(args.config, "train" if args.profile_run else "plan", args.overrides)
     if spec is None:
         return 2
     from tasks.planning import plan_markdown, windows_markdown
@@ -269,7 +273,7 @@ def with_device_memory(spec: RunSpec, overrides: list[str]) -> RunSpec:
 
 def serve(args: argparse.Namespace) -> int:
     """A local Prefect server, a process work pool and worker per island, and the deployments."""
-    spec = load_spec_or_say_why(args.config)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
     from flows.serve import serve as serve_spec
@@ -280,8 +284,15 @@ def serve(args: argparse.Namespace) -> int:
 
 def deploy(args: argparse.Namespace) -> int:
     """The work pools and deployments of a spec's islands, on the Prefect server that PREFECT_API_URL
-    names (with PREFECT_API_AUTH_STRING when it asks for one); workers are started at each site."""
-    spec = load_spec_or_say_why(args.config)
+    names (with PREFECT_API_AUTH_STRING when it asks for one); workers are started at each site. Without
+    one, Prefect would deploy to a temporary server of its own that is gone when the command ends."""
+    from prefect.settings import PREFECT_API_URL
+
+    if not PREFECT_API_URL.value():
+        print("error: deploy needs the Prefect server to deploy to: set PREFECT_API_URL (e.g. "
+              "https://<server>/api, or http://127.0.0.1:4200/api for `archipelago serve`)", file=sys.stderr)
+        return 2
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
     from flows.cluster_pools import store_key_variables, store_secret
@@ -307,7 +318,7 @@ def deploy(args: argparse.Namespace) -> int:
 def export(args: argparse.Namespace) -> int:
     """A finished run's consolidated model in the transformers format. The spec is the user's file, not
     the store's copy: with signing keys, the model read is checked against them."""
-    spec = load_spec_or_say_why(args.config)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
     from training.model.export import NotExportable, export_model
@@ -328,7 +339,7 @@ def export(args: argparse.Namespace) -> int:
 def export_metrics(args: argparse.Namespace) -> int:
     """A run's ledgers and report from its store into an experiment tracker (eval/tracking.py): the same
     series its islands' relays and its report stage log while it runs."""
-    spec = load_spec_or_say_why(args.config)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
     from eval.tracking import BACKENDS, TrackingUnavailable, open_sink, replay_run
@@ -363,7 +374,7 @@ def export_metrics(args: argparse.Namespace) -> int:
 def tokenizer(args: argparse.Namespace) -> int:
     """A byte-level BPE vocabulary trained on the training side of a spec's corpora, and the spec's
     `data.tokenizer` section that uses it."""
-    spec = load_spec_or_say_why(args.config)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
     from training.data.corpora import data_root
@@ -412,14 +423,48 @@ def keys(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_text() -> str:
+    """The installed package's version, and the commit when the code runs from a git checkout."""
+    text = f"archipelago {version('archipelago')}"
+    checkout = Path(__file__).resolve().parents[1]
+    if (checkout / ".git").exists():
+        git = ["git", "-C", str(checkout)]
+        try:
+            commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    check=True, timeout=10).stdout.strip()
+            changed = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                     text=True, check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return text
+        text += f" (commit {commit}{', with uncommitted changes' if changed else ''})"
+    return text
+
+
+class VersionAction(argparse.Action):
+    """`--version`, computed only when asked for (it may run git)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, help="print the version and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(version_text())
+        parser.exit()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="archipelago", description=__doc__)
+    parser.add_argument("--version", action=VersionAction)
+    # Every command that loads a run spec takes --set, applied to its YAML before validation (infra/overrides.py).
+    spec_options = argparse.ArgumentParser(add_help=False)
+    spec_options.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.FIELD=VALUE",
+                              help="override a field of the run spec (repeatable; lists by index, e.g. "
+                                   "islands.0.batch_size=4; the value is YAML)")
     commands = parser.add_subparsers(dest="command", required=True)
-    run_parser = commands.add_parser("run", help="run the whole lifecycle of a run spec")
+    run_parser = commands.add_parser("run", parents=[spec_options], help="run the whole lifecycle of a run spec")
     run_parser.add_argument("config", help="run spec YAML")
     run_parser.add_argument("--report", help="write the report JSON here")
     run_parser.set_defaults(handler=run)
-    resume_parser = commands.add_parser("resume", help="continue an interrupted or failed run")
+    resume_parser = commands.add_parser("resume", parents=[spec_options], help="continue an interrupted or failed run")
     resume_parser.add_argument("run_id")
     resume_parser.add_argument("--config", help="the run's spec YAML: the store's copy must be it (else the store's "
                                                 "copy is taken as it is, with --store)")
@@ -428,13 +473,13 @@ def main(argv: list[str] | None = None) -> int:
     resume_parser.add_argument("--report", help="write the report JSON here")
     resume_parser.set_defaults(handler=resume)
     prepare_parser = commands.add_parser(
-        "prepare", help="only split and shard a run spec's data into the store, and summarise the splits")
+        "prepare", parents=[spec_options], help="only split and shard a run spec's data into the store, and summarise the splits")
     prepare_parser.add_argument("config", help="run spec YAML")
     prepare_parser.add_argument("--seed", type=int, default=None, help="the run's seed, instead of the spec's")
     prepare_parser.add_argument("--store", default=None, help="store root, instead of the spec's store.url")
     prepare_parser.set_defaults(handler=prepare)
     plan_parser = commands.add_parser(
-        "plan", help="predict a run's utilisation, bytes and wall time on a link, without training")
+        "plan", parents=[spec_options], help="predict a run's utilisation, bytes and wall time on a link, without training")
     plan_parser.add_argument("config", help="run spec YAML")
     plan_parser.add_argument("--link-gbps", type=float, default=25.0, help="inter-island link, Gbit/s each way")
     plan_parser.add_argument("--step-seconds", action="append", default=[], metavar="ISLAND=S",
@@ -453,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
                              help="write the timeline of the islands' capacity windows here (PNG)")
     plan_parser.set_defaults(handler=plan)
     serve_parser = commands.add_parser(
-        "serve", help="start a Prefect server, one worker per island's work pool, and the deployments")
+        "serve", parents=[spec_options], help="start a Prefect server, one worker per island's work pool, and the deployments")
     serve_parser.add_argument("config", nargs="?", default="configs/demo.yaml",
                               help="run spec: its islands get work pools, and it pre-fills the UI's form")
     serve_parser.add_argument("--port", type=int, default=4200, help="Prefect server and UI port")
@@ -461,19 +506,19 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--logs", default=".archipelago/logs", help="server and worker logs")
     serve_parser.set_defaults(handler=serve)
     deploy_parser = commands.add_parser(
-        "deploy", help="create the work pools (locked job template) and deployments of a spec's islands on the "
+        "deploy", parents=[spec_options], help="create the work pools (locked job template) and deployments of a spec's islands on the "
                        "Prefect server of PREFECT_API_URL")
     deploy_parser.add_argument("config", help="run spec: its islands get work pools, and the lifecycle's form defaults to it")
     deploy_parser.set_defaults(handler=deploy)
     export_parser = commands.add_parser(
-        "export", help="write a run's consolidated model in the transformers format (config.json, model.safetensors)")
+        "export", parents=[spec_options], help="write a run's consolidated model in the transformers format (config.json, model.safetensors)")
     export_parser.add_argument("config", help="the run's spec YAML")
     export_parser.add_argument("run_id")
     export_parser.add_argument("--out", required=True, help="folder to write")
     export_parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     export_parser.set_defaults(handler=export)
     metrics_parser = commands.add_parser(
-        "export-metrics", help="replay a run's ledgers and report from its store into TensorBoard, MLflow or W&B")
+        "export-metrics", parents=[spec_options], help="replay a run's ledgers and report from its store into TensorBoard, MLflow or W&B")
     metrics_parser.add_argument("run_id")
     metrics_parser.add_argument("--config", required=True, help="the run's spec YAML")
     metrics_parser.add_argument("--to", nargs=2, required=True, metavar=("BACKEND", "TARGET"),
@@ -484,7 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_parser = commands.add_parser("tokenizer", help="make a tokenizers vocabulary for a run")
     tokenizer_commands = tokenizer_parser.add_subparsers(dest="tokenizer_command", required=True)
     train_parser = tokenizer_commands.add_parser(
-        "train", help="train byte-level BPE on the training side of a spec's corpora (never held-out text)")
+        "train", parents=[spec_options], help="train byte-level BPE on the training side of a spec's corpora (never held-out text)")
     train_parser.add_argument("config", help="run spec YAML: its corpora and split")
     train_parser.add_argument("--vocab-size", type=int, default=4096)
     train_parser.add_argument("--out", required=True, help="the tokenizer's JSON file, under the data root")
@@ -495,6 +540,10 @@ def main(argv: list[str] | None = None) -> int:
     keys_parser.add_argument("--out", default=".archipelago/keys", help="folder for the private keys (files 0600)")
     keys_parser.set_defaults(handler=keys)
     args = parser.parse_args(argv)
+    if args.command == "resume" and args.overrides and not args.config:
+        print("error: --set changes a spec file: resume takes it with --config (the store's copy is taken as it is)",
+              file=sys.stderr)
+        return 2
     return args.handler(args)
 
 

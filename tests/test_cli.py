@@ -1,5 +1,6 @@
 """Bad input stops before any work, with an error that names the problem."""
 
+import pytest
 import yaml
 
 from flows.cli import main
@@ -61,3 +62,51 @@ def test_resume_with_the_config_refuses_a_store_whose_spec_is_not_it(tmp_path, c
     assert f"its store holds another spec than {config}" in capsys.readouterr().err
     assert main(["resume", "no-such-run", "--config", config]) == 2
     assert "cannot resume no-such-run" in capsys.readouterr().err
+
+
+def test_version_names_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith(f"archipelago {version('archipelago')}")
+
+
+def test_set_overrides_the_yaml_before_validation(tmp_path):
+    raw = demo_raw()
+    path = write_config(tmp_path)
+    spec = load_spec(path, overrides=["islands.1.batch_size=4", "sync.rounds=3", "tracking.backend=tensorboard",
+                                      "tracking.uri=runs/tb", "name=other"])
+    assert [island.batch_size for island in spec.islands] == [raw["islands"][0]["batch_size"], 4]
+    assert (spec.sync.rounds, spec.tracking.backend, spec.tracking.uri, spec.name) == (3, "tensorboard", "runs/tb", "other")
+    assert load_spec(path) == load_spec(path, overrides=[])
+
+
+@pytest.mark.parametrize("override, problem", [
+    ("islands.0.batch_size=eight", "invalid run spec: islands.0.batch_size: Input should be a valid integer"),
+    ("sync.roundz=3", "invalid run spec: sync.roundz: Extra inputs are not permitted"),
+    ("islands.2.batch_size=4", "islands is a list of 2 entries, addressed by their index from 0, not '2'"),
+    ("islands.east.batch_size=4", "islands is a list of 2 entries, addressed by their index from 0, not 'east'"),
+    ("name.first=x", "name is 'demo', not a section with fields"),
+    ("sync.rounds", "expected section.field=value"),
+    ("sync.rounds=[3", "the value is not valid YAML"),
+])
+def test_a_bad_override_is_named_in_one_line_before_any_work(tmp_path, capsys, override, problem):
+    assert main(["plan", write_config(tmp_path), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert problem in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_resume_takes_overrides_only_with_its_config(tmp_path, capsys):
+    assert main(["resume", "r", "--store", str(tmp_path), "--set", "sync.rounds=3"]) == 2
+    assert "resume takes it with --config" in capsys.readouterr().err
+
+
+def test_deploy_without_a_prefect_api_is_refused(tmp_path, capsys):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        assert main(["deploy", write_config(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: deploy needs the Prefect server") and "PREFECT_API_URL" in err
