@@ -67,6 +67,11 @@ class TransformersModelSpec(SpecModel):
             raise ValueError(f"{', '.join(taken)}: set by the run, not by the spec")
         return config
 
+    @model_validator(mode="after")
+    def _trainable(self) -> "TransformersModelSpec":
+        self.shape_config()
+        return self
+
     def shape_config(self):
         """The config for what depends on neither the vocabulary nor the lengths (layers, widths)."""
         return self.library_config(BYTE_VOCAB, 2048)
@@ -81,11 +86,51 @@ class TransformersModelSpec(SpecModel):
         if unknown:
             raise ValueError(f"{self.architecture}'s config has no field {', '.join(unknown)}")
         try:
-            return AutoConfig.for_model(model_type, **{"tie_word_embeddings": False, **self.config},
-                                        vocab_size=vocab_size, max_position_embeddings=max_positions)
+            config = AutoConfig.for_model(model_type, **{"tie_word_embeddings": False, **self.config},
+                                          vocab_size=vocab_size, max_position_embeddings=max_positions)
         except Exception as err:  # noqa: BLE001 - the library raises its own validation errors
             reason = str(err).strip().splitlines()[-1].strip()
             raise ValueError(f"transformers refuses {self.architecture}'s config: {reason}") from None
+        self._check_shapes(config)
+        return config
+
+    def _check_shapes(self, config) -> None:
+        """Refuse shapes the library's config accepts but its model cannot train with: Qwen2-MoE and
+        Mixtral take any head count, then fail in attention (an odd or fractional head width under
+        rotary embeddings, key-value heads that do not divide the heads) on every learner's first step."""
+        for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "moe_intermediate_size", "head_dim"):
+            value = getattr(config, name, None)
+            if value is not None and value < 1:
+                raise ValueError(f"config.{name}: {value}, must be at least 1")
+        heads, width = config.num_attention_heads, config.hidden_size
+        key_value_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % key_value_heads:
+            raise ValueError(f"config.num_key_value_heads: {key_value_heads} does not divide num_attention_heads "
+                             f"{heads}")
+        head_width = self.config.get("head_dim")
+        if head_width is None:
+            if width % heads:
+                raise ValueError(f"config.num_attention_heads: {heads} does not divide hidden_size {width} "
+                                 f"(a head's width would be {width / heads:.4g})")
+            head_width = width // heads
+        if head_width % 2:
+            raise ValueError(f"config.num_attention_heads: {heads} heads of hidden_size {width} are {head_width} "
+                             "wide, and rotary position embeddings need an even head width")
+        experts_field = next((name for name in ("num_local_experts", "num_experts") if hasattr(config, name)), None)
+        if experts_field is not None:
+            experts, top_k = getattr(config, experts_field), config.num_experts_per_tok
+            if experts < 1 or not 1 <= top_k <= experts:
+                raise ValueError(f"config.num_experts_per_tok: {top_k} with {experts_field} {experts}; each token "
+                                 "goes to at least one and at most every expert")
+        sparse_step = getattr(config, "decoder_sparse_step", 1)
+        if sparse_step < 1:
+            raise ValueError(f"config.decoder_sparse_step: {sparse_step}, must be at least 1")
+        outside = [layer for layer in getattr(config, "mlp_only_layers", None) or []
+                   if not 0 <= layer < config.num_hidden_layers]
+        if outside:
+            raise ValueError(f"config.mlp_only_layers: {outside} are not layers of the model's "
+                             f"{config.num_hidden_layers} (0 to {config.num_hidden_layers - 1})")
 
 
 class ModelSpec(SpecModel):
@@ -129,13 +174,13 @@ class ModelSpec(SpecModel):
         if self.kind == "transformers":
             if self.transformers is None:
                 raise ValueError("kind transformers needs the transformers section (architecture, config)")
-            self.transformers.shape_config()
         elif self.transformers is not None or self.init_from is not None:
             raise ValueError(f"the transformers section and init_from are for kind transformers, not {self.kind}")
         if self.kind != "byte_gpt" and (self.qk_norm or self.z_loss_weight):
             raise ValueError(f"qk_norm and z_loss_weight are settings of byte_gpt, not of kind {self.kind}")
-        if self.width % self.heads:
-            raise ValueError(f"heads {self.heads} must divide width {self.width}")
+        if self.kind == "byte_gpt" and self.width % self.heads:
+            raise ValueError(f"heads: {self.heads} does not divide width {self.width} (a head's width would be "
+                             f"{self.width / self.heads:.4g})")
         return self
 
     def build_registered(self, vocab_size: int, max_seq_len: int, meta: bool = False):

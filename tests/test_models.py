@@ -47,6 +47,33 @@ def test_a_transformers_config_the_library_refuses_is_named_before_any_work(conf
         spec_with({"kind": "transformers", "transformers": config})
 
 
+QWEN2_MOE = MODELS["qwen2_moe"]["transformers"]["config"]
+
+
+@pytest.mark.parametrize("architecture, config, problem", [
+    ("Qwen2MoeForCausalLM", {**QWEN2_MOE, "num_attention_heads": 3, "num_key_value_heads": 3},
+     r"model.transformers: .*config.num_attention_heads: 3 does not divide hidden_size 32"),
+    ("Qwen2MoeForCausalLM", {**QWEN2_MOE, "num_attention_heads": 4, "num_key_value_heads": 3},
+     r"config.num_key_value_heads: 3 does not divide num_attention_heads 4"),
+    ("MixtralForCausalLM", {**SMALL, "hidden_size": 36, "num_attention_heads": 4, "num_key_value_heads": 4},
+     r"config.num_attention_heads: 4 heads of hidden_size 36 are 9 wide, and rotary .* even"),
+    ("Qwen2MoeForCausalLM", {**QWEN2_MOE, "num_experts_per_tok": 5}, r"config.num_experts_per_tok: 5 with num_experts 4"),
+    ("Qwen2MoeForCausalLM", {**QWEN2_MOE, "mlp_only_layers": [2]}, r"config.mlp_only_layers: \[2\] are not layers"),
+])
+def test_a_transformers_shape_the_library_accepts_but_cannot_train_is_refused_at_load(architecture, config, problem):
+    with pytest.raises(SpecError, match=problem):
+        spec_with({"kind": "transformers", "transformers": {"architecture": architecture, "config": config}})
+
+
+@pytest.mark.parametrize("model, problem", [
+    ({"layers": 2, "width": 130, "heads": 4}, r"model: .*heads: 4 does not divide width 130"),
+    ({"layers": 2, "width": 32, "heads": 4, "moe": {"experts": 2, "top_k": 3}}, r"model.moe: .*top_k 3 exceeds experts 2"),
+])
+def test_a_byte_gpt_shape_that_cannot_train_is_refused_at_load(model, problem):
+    with pytest.raises(SpecError, match=problem):
+        spec_with(model)
+
+
 def test_a_transformers_section_needs_its_kind():
     with pytest.raises(SpecError, match="needs the transformers section"):
         spec_with({"kind": "transformers"})
