@@ -321,7 +321,7 @@ def export(args: argparse.Namespace) -> int:
     spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
-    from training.model.export import NotExportable, export_model
+    from training.model.export import SEPARATOR, NotExportable, export_model
     from training.model.registry import load_model
 
     try:
@@ -330,9 +330,11 @@ def export(args: argparse.Namespace) -> int:
     except (StoreError, NotExportable) as err:
         print(f"error: cannot export {args.run_id}: {err}", file=sys.stderr)
         return 2
-    ids = "byte values" if spec.data.tokenizer is None else f"the ids of tokenizer {spec.data.tokenizer.path}"
-    print(f"{out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}); token ids are "
-          f"{ids}, and {spec.separator} the document separator")
+    ids = ("the UTF-8 bytes' values (0 to 255)" if spec.data.tokenizer is None
+           else f"those of tokenizer {spec.data.tokenizer.path} (0 to {spec.separator - 1})")
+    print(f"{out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}) and its tokenizer "
+          f"with AutoTokenizer.from_pretrained({str(out)!r}); token ids are {ids}, and {spec.separator} the "
+          f"document separator {SEPARATOR}, which the tokenizer puts before each text as training saw every document")
     return 0
 
 

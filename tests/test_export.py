@@ -1,12 +1,15 @@
 """`archipelago export`: a run's consolidated model in the transformers format, loaded back by
-`AutoModelForCausalLM.from_pretrained` with the same logits as Archipelago's own forward pass."""
+`AutoModelForCausalLM.from_pretrained` with the same logits as Archipelago's own forward pass, and its
+tokenizer by `AutoTokenizer.from_pretrained`, giving the ids training gave."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 import yaml
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.cli import main
 from infra import layout
@@ -18,13 +21,14 @@ from training.model.params import flat_parameters
 from training.model.registry import build_model, load_model
 
 
-def consolidated_run(tmp_path, model: dict):
+def consolidated_run(tmp_path, model: dict, tokenizer: dict | None = None):
     """A run spec and its run with a consolidated model (trained-looking weights: the initial ones moved)."""
     config = tmp_path / "spec.yaml"
     config.write_text(yaml.safe_dump({
         "name": "export", "model": model,
         "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}],
-        "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}],
+                 **({"tokenizer": tokenizer} if tokenizer else {})},
         "sync": {"rounds": 2}, "store": {"url": str(tmp_path / "store")}}))
     spec = load_spec(config)
     weights = flat_parameters(build_model(spec))
@@ -94,3 +98,64 @@ def test_weights_that_do_not_fit_the_spec_or_lie_outside_the_data_root_are_refus
         start_run(parse_spec({**raw, "model": {**raw["model"], "transformers": wider, "init_from": "llama"}}), "x")
     with pytest.raises(ValueError, match="not a transformers model folder under the data root"):
         start_run(parse_spec({**raw, "model": {**raw["model"], "init_from": "../store"}}), "y")
+
+
+TEXT = "Wherefore art thou, Romeo?\n\tdéjà vu ✓ 𝄞 <b>"
+
+
+def training_ids(spec, text: str) -> list[int]:
+    """The ids data preparation gives a document: the separator, then the text's bytes or tokenizer ids."""
+    from training.data.corpora import Document
+    from training.data.shards import encoder
+
+    return encoder(spec)([Document("d", text)]).tolist()
+
+
+@pytest.mark.parametrize("tokenized", [False, True], ids=["bytes", "tokenizer"])
+def test_an_export_has_the_runs_tokenizer_and_the_modes_of_the_umask(tmp_path, monkeypatch, capsys, tokenized):
+    tokenizer = None
+    if tokenized:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        trained = Tokenizer(models.BPE())
+        trained.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trained.decoder = decoders.ByteLevel()
+        trained.train_from_iterator([TEXT * 3, "thou art Romeo, wherefore"], trainers.BpeTrainer(
+            vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        (tmp_path / "data").mkdir()
+        trained.save(str(tmp_path / "data" / "tokenizer.json"))
+        monkeypatch.setenv("ARCHIPELAGO_DATA_ROOT", str(tmp_path / "data"))
+        tokenizer = {"path": "tokenizer.json", "vocab_size": trained.get_vocab_size()}
+    config, spec, _ = consolidated_run(tmp_path, {"layers": 2, "width": 32, "heads": 2}, tokenizer)
+    umask = os.umask(0o022)
+    try:
+        assert main(["export", str(config), "r", "--out", str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(umask)
+    said = capsys.readouterr().out
+    assert "AutoTokenizer.from_pretrained" in said and f"{spec.separator} the document separator <|endoftext|>" in said
+
+    theirs = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = theirs(TEXT).input_ids
+    assert ids == training_ids(spec, TEXT)
+    if tokenized:
+        assert len(ids) < 1 + len(TEXT.encode())  # merges, not bytes
+    else:
+        assert ids[1:] == list(TEXT.encode())
+    assert ids[0] == theirs.bos_token_id == theirs.eos_token_id == spec.separator and len(theirs) == spec.vocab_size
+    assert theirs.decode(ids, skip_special_tokens=True) == TEXT
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.vocab_size == len(theirs) and theirs.model_max_length == model.config.n_positions
+    files = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert {"tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors"} <= set(files)
+    assert set(files.values()) == {0o644} and (tmp_path / "hf").stat().st_mode & 0o777 == 0o755
+
+
+def test_a_tokenizer_missing_from_the_data_root_stops_the_export_before_it_writes(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data").mkdir()
+    monkeypatch.setenv("ARCHIPELAGO_DATA_ROOT", str(tmp_path / "data"))
+    config, _, _ = consolidated_run(tmp_path, {"layers": 2, "width": 32, "heads": 2},
+                                    {"path": "gone.json", "vocab_size": 300})
+    assert main(["export", str(config), "r", "--out", str(tmp_path / "hf")]) == 2
+    assert "'gone.json' is not a file under the data root" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
