@@ -32,18 +32,27 @@ from training.learner.ledger import read_summaries
 
 logger = logging.getLogger(__name__)
 
-# The series each learner gets, under `<metric>/<island>/learner-<index>`, at step = the round. A
-# round's own (`learner_points`): its mean inner loss (`loss`) and its tokens over its seconds computing
-# and syncing (`tokens_per_s`). An exchange's, at the round it exchanged, by the ledger entry's field
-# it comes from: seconds the learner waited for it, message bytes it read over each link class and
-# wrote, partners' messages that never came or were refused.
+# The series each learner gets, under `<metric>/<island>/learner-<index>`. Rounds are numbered from 1
+# to `sync.rounds`, as the logs number them; the ledger's indices, from 0, are one less. At step = the
+# round, a round's own (`learner_points`): its mean inner loss (`loss`) and its tokens over its seconds
+# computing and syncing (`tokens_per_s`); an exchange's, at the round it exchanged, by the ledger
+# entry's field it comes from: seconds the learner waited for it, message bytes it read over each link
+# class and wrote, partners' messages that never came or were refused.
 EXCHANGE_METRICS = {"seconds_blocked": "blocked_s", "bytes_read_intra": "bytes_read_intra",
                     "bytes_read_inter": "bytes_read_inter", "bytes_written": "bytes_sent",
                     "missed_exchanges": "missed", "refused_messages": "refused"}
+# At step = the inner step over the learner's whole run, from 1 (round r's are (r-1)*H+1 to r*H, H the
+# island's inner steps), those the ledger keeps (training/learner/ledger.py): by the field of a round's
+# `steps` each comes from.
+STEP_METRICS = {"inner_loss": "loss", "learning_rate": "learning_rate", "grad_norm": "grad_norm",
+                "peak_memory_bytes": "peak_memory_bytes"}
 # The report's communication totals, under `communication/<name>`.
 COMMUNICATION_TOTALS = ("inter_island_bytes", "intra_island_bytes", "bytes_written", "checkpoint_bytes",
                         "allreduce_equivalent_bytes", "inter_island_reduction")
 CONSENSUS = ("max_weight_distance", "mean_weight_distance", "max_pairwise_distance")
+# Each series' x axis, by the name before its first "/": W&B plots them against these fields.
+AXES = {"round": ("loss", "tokens_per_s", *EXCHANGE_METRICS, "bpb", "consensus", "communication"),
+        "inner_step": tuple(STEP_METRICS)}
 RUN_TAG = "archipelago.run_id"  # the MLflow tag that names a tracker run's archipelago run
 
 
@@ -52,6 +61,7 @@ class Point:
     key: str
     value: float
     step: int
+    axis: str = "round"  # what `step` counts: rounds, or a learner's inner steps ("inner_step")
 
 
 @dataclass(frozen=True)
@@ -73,18 +83,23 @@ def learner_points(island: str, learner: int, tokens_per_round: int, rounds: lis
     tag = f"{island}/learner-{learner}"
     points = []
     for entry in rounds:
-        seconds = entry["compute_s"] + entry["sync_s"]
-        points.append(Point(f"loss/{tag}", entry["loss"], entry["round"]))
+        seconds, number = entry["compute_s"] + entry["sync_s"], entry["round"] + 1
+        points.append(Point(f"loss/{tag}", entry["loss"], number))
         if seconds > 0:
-            points.append(Point(f"tokens_per_s/{tag}", tokens_per_round / seconds, entry["round"]))
+            points.append(Point(f"tokens_per_s/{tag}", tokens_per_round / seconds, number))
+        steps = entry.get("steps") or {"step": []}
+        for metric, field in STEP_METRICS.items():
+            points.extend(Point(f"{metric}/{tag}", value, index + 1, "inner_step")
+                          for index, value in zip(steps["step"], steps.get(field, ())))
     for entry in exchanges:
-        points.extend(Point(f"{metric}/{tag}", entry[field], entry["round"]) for metric, field in EXCHANGE_METRICS.items())
+        points.extend(Point(f"{metric}/{tag}", entry[field], entry["round"] + 1)
+                      for metric, field in EXCHANGE_METRICS.items())
     return points
 
 
 def report_points(report: dict, step: int) -> list[Point]:
     """The report's bpb table (`bpb/<evaluation>/islands`, `/baseline`, `/relative_difference`), consensus
-    distances and communication totals, at `step` (the run's number of rounds: after its last)."""
+    distances and communication totals, at `step` (the run's number of rounds: its last round's)."""
     values = {}
     for name, entry in report["evals"].items():
         values.update({f"bpb/{name}/islands": entry["islands_bpb"], f"bpb/{name}/baseline": entry["baseline_bpb"],
@@ -164,21 +179,25 @@ class Sink(ABC):
 
 
 class TensorBoardSink(Sink):
-    """Event files under `<uri>/<run id>`: each writing process adds its own file, named by its writer."""
+    """Event files under `<uri>/<run id>`: each writing process adds its own file, named by its writer,
+    once it has a point to write (a run that fails before any leaves no empty folder)."""
 
     def __init__(self, settings: TrackingSpec, project: str, run_id: str, writer: str, **options):
         super().__init__(settings, **options)
-        tensorboard = _import("torch.utils.tensorboard", "tensorboard")
-        self.logdir = Path(settings.uri) / run_id
-        self.writer = tensorboard.SummaryWriter(str(self.logdir), filename_suffix=f".{writer}")
+        self.tensorboard = _import("torch.utils.tensorboard", "tensorboard")
+        self.logdir, self.writer_name = Path(settings.uri) / run_id, writer
+        self.writer = None
 
     def _write(self, points: list[Point]) -> None:
+        if self.writer is None:
+            self.writer = self.tensorboard.SummaryWriter(str(self.logdir), filename_suffix=f".{self.writer_name}")
         for point in points:
             self.writer.add_scalar(point.key, point.value, point.step)
         self.writer.flush()
 
     def _close(self, finished: bool) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
 
     def link(self) -> TrackerLink:
         return TrackerLink(self.logdir.resolve().as_uri(),
@@ -248,9 +267,9 @@ class MlflowSink(Sink):
 class WandbSink(Sink):
     """A W&B run whose id is the run id. Online, every writing process joins it in W&B's shared mode (the
     control plane as the primary writer); with WANDB_MODE=offline each process writes an offline run
-    folder of that id, which `wandb sync` uploads into the one run. Each point is logged with its round
-    as the `round` field, the x axis of every series. W&B holds one live run of an id per process: the
-    sinks of a process (the islands whose learners it relays) share it."""
+    folder of that id, which `wandb sync` uploads into the one run. W&B holds one live run of an id per process: the
+    sinks of a process (the islands whose learners it relays) share it. A point is logged with its step as
+    the field of its axis: `round`, or `inner_step` for the per-step series."""
 
     _runs: dict[str, list] = {}  # W&B run id -> [run, sinks using it]
     _runs_lock = threading.Lock()
@@ -277,17 +296,19 @@ class WandbSink(Sink):
             settings=wandb.Settings(mode="offline" if offline else "shared", x_label=writer, x_primary=primary,
                                     console="off", x_disable_stats=True, silent=True,
                                     **({"base_url": settings.uri} if server else {})))
-        run.define_metric("round")
-        run.define_metric("*", step_metric="round")
+        for axis, series in AXES.items():
+            run.define_metric(axis)
+            for name in series:
+                run.define_metric(f"{name}/*", step_metric=axis)
         return run
 
     def _write(self, points: list[Point]) -> None:
-        by_step: dict[int, dict] = {}
+        by_step: dict[tuple[str, int], dict] = {}
         for point in points:
-            by_step.setdefault(point.step, {})[point.key] = point.value
+            by_step.setdefault((point.axis, point.step), {})[point.key] = point.value
         with self._runs_lock:
-            for step, values in by_step.items():
-                self.run.log({**values, "round": step})
+            for (axis, step), values in by_step.items():
+                self.run.log({**values, axis: step})
 
     def _close(self, finished: bool) -> None:
         with self._runs_lock:

@@ -12,13 +12,15 @@ from infra.spec_model import MAX_WAIT_S, SpecModel
 class KillLearner(SpecModel):
     kind: Literal["kill_learner"] = Field(description="SIGKILL a learner's process in the middle of a round.")
     learner: int = Field(ge=0, description="Global learner index.")
-    round: int = Field(ge=0, description="Round in which it dies (after half its inner steps), once.")
+    round: int = Field(ge=0, description="Index from 0 of the round in which it dies (after half its inner steps), "
+                                          "once; logs and trackers number rounds from 1.")
 
 
 class CorruptObject(SpecModel):
     kind: Literal["corrupt_object"] = Field(description="Corrupt the next object a learner writes.")
     learner: int = Field(ge=0, description="Global learner index.")
-    round: int = Field(0, ge=0, description="Round whose message from this learner is corrupted.")
+    round: int = Field(0, ge=0, description="Index from 0 of the round whose message from this learner is "
+                                                "corrupted; logs and trackers number rounds from 1.")
 
 
 class StoreErrors(SpecModel):
@@ -40,7 +42,8 @@ class CloseWindow(SpecModel):
         description="End a learner's capacity window right after a round, once, as when a reservation is cut "
                     "short: it stops as at a window's end and resumes in the island's next window.")
     learner: int = Field(ge=0, description="Global learner index.")
-    round: int = Field(ge=0, description="Round after which its window closes.")
+    round: int = Field(ge=0, description="Index from 0 of the round after which its window closes; logs and "
+                                          "trackers number rounds from 1.")
 
 
 Fault = Annotated[Union[KillLearner, CorruptObject, StoreErrors, FailStage, CloseWindow], Field(discriminator="kind")]

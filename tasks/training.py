@@ -59,11 +59,17 @@ def learner_relay(logger, progress: UUID, on_round: Callable[[dict], None] = lam
             logger.warning("capacity window ends %s: stopping before round %d/%d; the next window resumes here",
                            event["until"], event["next_round"] + 1, event["rounds"])
         elif event["event"] in ("missed_exchange", "fault", "corrupt_checkpoint"):
-            logger.warning("%s", event)
+            logger.warning("%s", numbered_from_one(event))
         else:
-            logger.info("%s", event)
+            logger.info("%s", numbered_from_one(event))
 
     return relay
+
+
+def numbered_from_one(event: dict) -> dict:
+    """An event as the logs show it: its rounds numbered from 1, as the `round r/R` lines and the trackers
+    number them (a learner's events carry the ledger's indices, from 0)."""
+    return {**event, **{field: event[field] + 1 for field in ("round", "next_round") if isinstance(event.get(field), int)}}
 
 
 # The lease term is the lifecycle's, not the learner's work: a resumed run's learners that finished stay Cached.

@@ -1,7 +1,8 @@
 """Experiment trackers: one small two-island lifecycle with TensorBoard tracking on (real Prefect API,
 learners as real processes, the islands' relays writing), then its store replayed into TensorBoard, a
 local sqlite MLflow store and W&B offline files by `archipelago export-metrics`. Each tracker must hold
-the learners' ledgers and the report, value for value. Offline: no network."""
+the learners' ledgers and the report, value for value: per round (numbered from 1, as the logs number
+them) and per inner step. Offline: no network."""
 
 import asyncio
 import json
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eval.tracking import Point, Sink, TrackingUnavailable, open_sink
+from eval.tracking import Point, Sink, TrackingUnavailable, learner_points, open_sink
 from flows.cli import main
 from infra.spec import SpecError, parse_spec
 from infra.store import run_store
@@ -20,6 +21,7 @@ from infra.tracking_spec import TrackingSpec
 from tests.test_security_results import tiny_spec
 from tests.test_spec import demo_raw
 from training.learner.ledger import read_summaries
+from training.model.schedule import learning_rate
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,7 @@ def tracked_run(tmp_path_factory, prefect_api):
     root = tmp_path_factory.mktemp("tracking")
     raw = tiny_spec(root, name="tracked").model_dump(mode="json", exclude_unset=True)
     raw["sync"]["rounds"] = 3
+    raw["islands"][1]["inner_steps"] = 3  # the islands' inner steps differ: each learner's step axis is its own
     spec = parse_spec({**raw, "tracking": {"backend": "tensorboard", "uri": str(root / "tensorboard")}})
     config = root / "tracked.yaml"
     config.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_unset=True)))
@@ -41,19 +44,25 @@ def tracked_run(tmp_path_factory, prefect_api):
 
 def ledger_series(spec, report) -> dict[str, dict[int, float]]:
     """What every tracker must hold, straight from the learners' summaries and the report: series by
-    name, values by round."""
+    name, values by round (from 1) or, for the per-step series, by inner step (from 1)."""
     series: dict[str, dict[int, float]] = {}
     for summary in read_summaries(spec, run_store(spec.store, report["run_id"])):
         tag = f"{summary.island}/learner-{summary.learner}"
         tokens = summary.tokens / len(summary.rounds)
         for entry in summary.rounds:
-            series.setdefault(f"loss/{tag}", {})[entry["round"]] = entry["loss"]
-            series.setdefault(f"tokens_per_s/{tag}", {})[entry["round"]] = tokens / (entry["compute_s"] + entry["sync_s"])
+            series.setdefault(f"loss/{tag}", {})[entry["round"] + 1] = entry["loss"]
+            series.setdefault(f"tokens_per_s/{tag}", {})[entry["round"] + 1] = \
+                tokens / (entry["compute_s"] + entry["sync_s"])
+            steps = entry["steps"]
+            for name, field in [("inner_loss", "loss"), ("learning_rate", "learning_rate"),
+                                ("grad_norm", "grad_norm"), ("peak_memory_bytes", "peak_memory_bytes")]:
+                series.setdefault(f"{name}/{tag}", {}).update(
+                    (step + 1, value) for step, value in zip(steps["step"], steps[field], strict=True))
         for entry in summary.exchanges:
             for name, value in [("seconds_blocked", entry["blocked_s"]), ("bytes_read_intra", entry["bytes_read_intra"]),
                                 ("bytes_read_inter", entry["bytes_read_inter"]), ("bytes_written", entry["bytes_sent"]),
                                 ("missed_exchanges", entry["missed"]), ("refused_messages", entry["refused"])]:
-                series.setdefault(f"{name}/{tag}", {})[entry["round"]] = value
+                series.setdefault(f"{name}/{tag}", {})[entry["round"] + 1] = value
     end = spec.sync.rounds
     for name, entry in report["evals"].items():
         series[f"bpb/{name}/islands"] = {end: entry["islands_bpb"]}
@@ -84,7 +93,54 @@ def test_the_series_add_up_to_the_report(tracked_run):
         assert total == report["communication"][f"{link}_island_bytes"]
     assert report["communication"]["inter_island_bytes"] > 0
     assert {name.split("/", 1)[1] for name in series if name.startswith("loss/")} == {"a/learner-0", "b/learner-1"}
-    assert all(len(series[f"loss/{tag}"]) == spec.sync.rounds for tag in ("a/learner-0", "b/learner-1"))
+    assert all(sorted(series[f"loss/{tag}"]) == list(range(1, spec.sync.rounds + 1)) for tag in ("a/learner-0", "b/learner-1"))
+
+
+def test_every_inner_step_has_its_loss_learning_rate_grad_norm_and_memory(tracked_run):
+    """At these sizes the ledger keeps every inner step: their index over the learner's run, the loss whose
+    mean is the round's, the schedule's learning rate, a gradient norm and the process's peak memory."""
+    spec, _, _, report, _ = tracked_run
+    for summary in read_summaries(spec, run_store(spec.store, report["run_id"])):
+        island = spec.learners[summary.learner].island
+        total = island.inner_steps * spec.sync.rounds
+        steps = [entry["steps"] for entry in summary.rounds]
+        assert [i for kept in steps for i in kept["step"]] == list(range(total))
+        for entry, kept in zip(summary.rounds, steps):
+            assert entry["loss"] == sum(kept["loss"]) / island.inner_steps
+        assert [lr for kept in steps for lr in kept["learning_rate"]] == \
+            [learning_rate(i, total, spec.training.lr, spec.training.warmup_steps) for i in range(total)]
+        norms = [norm for kept in steps for norm in kept["grad_norm"]]
+        assert all(0 < norm < 1e3 for norm in norms) and len(set(norms)) == total
+        memory = [m for kept in steps for m in kept["peak_memory_bytes"]]
+        assert memory == sorted(memory) and memory[0] > 50e6  # a peak so far: a Python process with torch holds more
+
+
+def test_the_logs_and_the_trackers_number_rounds_alike(tracked_run):
+    """The relays' `round r/R` lines and the trackers' round steps both run from 1 to R."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId, LogFilter, LogFilterFlowRunId
+
+    spec, _, run_id, _, flow_run_id = tracked_run
+
+    async def round_lines():
+        async with get_client() as client:
+            runs, parents = [flow_run_id], [flow_run_id]
+            while parents:  # the lifecycle's flow run and its subflows' (the islands' segments)
+                children = await client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                    parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=parents)))
+                parents = [child.id for child in children]
+                runs += parents
+            logs = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=runs)))
+        return [log.message for log in logs if log.message.startswith("round ")]
+
+    logged = {int(line.split()[1].split("/")[0]) for line in asyncio.run(round_lines())}
+    tracked = tensorboard_series(Path(spec.tracking.uri) / run_id)
+    last = spec.sync.rounds
+    assert f"round {last}/{last}" in {f"round {r}/{last}" for r in logged} and logged <= set(range(1, last + 1))
+    for tag in ("a/learner-0", "b/learner-1"):
+        assert sorted(tracked[f"loss/{tag}"]) == list(range(1, last + 1))
+    report_steps = [set(values) for name, values in tracked.items() if name.startswith("bpb/")]
+    assert report_steps and all(steps == {last} for steps in report_steps)
 
 
 def tensorboard_series(folder: Path) -> dict[str, dict[int, float]]:
@@ -154,9 +210,10 @@ def test_export_metrics_into_wandb_offline_files(tracked_run, tmp_path, monkeypa
     for record in map(json.loads, records):
         if record["type"] == "history":
             row = record["history"]["item"]
+            axis = "round" if "round" in row else "inner_step"
             for key, value in row.items():
-                if not key.startswith("_") and key != "round":
-                    found.setdefault(key, {})[row["round"]] = value
+                if not key.startswith("_") and key != axis:
+                    found.setdefault(key, {})[row[axis]] = value
         if record["type"] == "run":
             assert record["run"]["display_name"] == run_id and record["run"]["run_id"] == run_id
     assert_holds(found, ledger_series(spec, report))
@@ -185,6 +242,25 @@ def test_a_missing_extra_is_named_with_how_to_install_it(backend, module, tmp_pa
     settings = TrackingSpec(backend=backend, uri=None if backend == "wandb" else str(tmp_path))
     with pytest.raises(TrackingUnavailable, match=rf"needs the '{backend}' extra.*pip install 'archipelago\[{backend}\]'"):
         open_sink(settings, "run", "run-1", "control")
+
+
+def test_a_tensorboard_sink_makes_its_folder_only_with_its_first_point(tmp_path):
+    """The lifecycle opens the tracker run before training: a run that fails before any point leaves no
+    empty folder behind."""
+    settings = TrackingSpec(backend="tensorboard", uri=str(tmp_path / "tb"))
+    sink = open_sink(settings, "run", "run-1", "control", primary=True)
+    assert sink.link().url == (tmp_path / "tb" / "run-1").as_uri()
+    sink.close(finished=True)
+    assert not (tmp_path / "tb").exists()
+    sink = open_sink(settings, "run", "run-1", "a")
+    sink.log(learner_points("a", 0, 64, [{"round": 0, "loss": 2.5, "compute_s": 1.0, "sync_s": 1.0,
+                                          "steps": {"step": [0, 1], "loss": [3.0, 2.0], "learning_rate": [0.5, 1.0],
+                                                    "grad_norm": [0.25, 0.75], "peak_memory_bytes": [7, 8]}}], []))
+    sink.close()
+    assert tensorboard_series(tmp_path / "tb" / "run-1") == {
+        "loss/a/learner-0": {1: 2.5}, "tokens_per_s/a/learner-0": {1: 32.0}, "inner_loss/a/learner-0": {1: 3.0, 2: 2.0},
+        "learning_rate/a/learner-0": {1: 0.5, 2: 1.0}, "grad_norm/a/learner-0": {1: 0.25, 2: 0.75},
+        "peak_memory_bytes/a/learner-0": {1: 7.0, 2: 8.0}}
 
 
 class Recorded(Sink):

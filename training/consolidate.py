@@ -38,7 +38,7 @@ def consolidate(spec: RunSpec, store) -> dict:
         tokens.append(slot.tokens_per_round() * spec.sync.rounds)
         included.append(slot.index)
     if not weights:
-        raise RuntimeError(f"no learner committed an intact checkpoint for the final round {final_round} "
+        raise RuntimeError(f"no learner committed an intact checkpoint for the final round ({spec.sync.rounds}) "
                            f"(missing: learners {missing}; corrupt: learners {corrupt})")
     mean = weighted_mean(weights, tokens)
     norm = mean.norm().item()

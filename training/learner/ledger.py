@@ -1,5 +1,5 @@
 """One learner's account of its run: bytes moved by link class, seconds computing and syncing,
-rounds, exchanges and the exchanges it missed, over all its lives.
+rounds (with their inner steps' values), exchanges and the exchanges it missed, over all its lives.
 
 Only the learner's main thread writes it: the transport thread hands what an exchange moved back
 in the exchange's result, and the learner books it when it applies the exchange. A checkpoint
@@ -8,12 +8,58 @@ carries the ledger, so a restarted learner's totals still count its earlier live
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
+
+import torch
 
 from infra import layout
 from infra.store import IntegrityError, ObjectExists, ObjectMissing, StoreError
 from infra.stores import RunStores
+
+
+# A round's entry keeps its inner steps' values: every k-th inner step of the learner's run (the k-th,
+# the 2k-th, ...; `step` is its index over the whole run, from 0 as `round` is), k the smallest that
+# keeps the run within STEP_POINTS steps. At this project's sizes that is every step; at any size the
+# record in checkpoints and summaries stays bounded.
+STEP_POINTS = 4096
+
+
+def step_stride(total_steps: int) -> int:
+    return max(1, -(-total_steps // STEP_POINTS))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """The learner process's peak memory so far: what torch allocated on a CUDA device, the resident set
+    on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+class StepValues:
+    """A round's kept inner steps: their global index, loss, learning rate, gradient norm (before clipping)
+    and peak memory. The norms stay tensors until the round ends, so keeping them waits for no device."""
+
+    def __init__(self):
+        self.step, self.loss, self.learning_rate, self.peak_memory_bytes = [], [], [], []
+        self.grad_norms: list[torch.Tensor] = []
+
+    def keep(self, step: int, loss: float, learning_rate: float, grad_norm: torch.Tensor, memory: int) -> None:
+        self.step.append(step)
+        self.loss.append(loss)
+        self.learning_rate.append(learning_rate)
+        self.grad_norms.append(grad_norm.detach())
+        self.peak_memory_bytes.append(memory)
+
+    def to_json(self) -> dict | None:
+        if not self.step:
+            return None
+        return {"step": self.step, "loss": self.loss, "learning_rate": self.learning_rate,
+                "grad_norm": torch.stack(self.grad_norms).float().cpu().tolist(),
+                "peak_memory_bytes": self.peak_memory_bytes}
 
 
 @dataclass
@@ -33,13 +79,18 @@ class Ledger:
     links: dict = field(default_factory=dict)  # the transport's per-link counters, as of the last checkpoint
     stores: dict = field(default_factory=dict)  # message bytes by store URL, written and read, likewise
 
-    def book_round(self, round_index: int, fragment: int, loss: float, compute_s: float, sync_s: float) -> None:
+    def book_round(self, round_index: int, fragment: int, loss: float, compute_s: float, sync_s: float,
+                   steps: StepValues | None = None) -> None:
         self.seconds_computing += compute_s
         self.seconds_syncing += sync_s
         # `ended_at` (Unix seconds): a benchmark that starts learners through Prefect workers, and so never
         # sees their output, still times their rounds from the summary.
-        self.rounds.append({"round": round_index, "loss": loss, "compute_s": compute_s, "sync_s": sync_s,
-                            "fragment": fragment, "ended_at": time.time()})
+        entry = {"round": round_index, "loss": loss, "compute_s": compute_s, "sync_s": sync_s,
+                 "fragment": fragment, "ended_at": time.time()}
+        kept = steps.to_json() if steps is not None else None
+        if kept is not None:
+            entry["steps"] = kept
+        self.rounds.append(entry)
 
     def book_checkpoint(self, seconds: float) -> None:
         """The latest round's checkpoint: seconds it held the learner (its state copied and queued, or

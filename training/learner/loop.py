@@ -36,7 +36,7 @@ from training.data.streams import WindowSampler, read_stream
 from training.learner.events import emit
 from training.learner.faults import LearnerFaults
 from training.model.inner import forward_precision, inner_optimizer, optimizer_step
-from training.learner.ledger import Ledger, LearnerSummary, write_summary
+from training.learner.ledger import Ledger, LearnerSummary, StepValues, peak_memory_bytes, step_stride, write_summary
 from training.model.registry import initial_model
 from training.model.parallel import LearnerParallelism
 from training.model.params import flat_parameters
@@ -73,6 +73,7 @@ class Learner:
         # them, never through a copy of the whole model.
         self.fragment_parameters = [[parameters[name] for name in names] for names in self.exchanger.layout.names]
         self.ledger = Ledger()
+        self.step_stride = step_stride(self.slot.island.inner_steps * spec.sync.rounds)
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.parallel)
         # The bpb curve scores the learners' weights after these rounds once training is over.
         self.curve_rounds = set(curve_rounds(spec.sync.rounds, spec.evaluation.curve_points))
@@ -172,7 +173,7 @@ class Learner:
         checkpoint. Returns the mean inner loss."""
         round_started = time.monotonic()
         self._sync_seconds = 0.0
-        loss = self.inner_steps(t)
+        loss, steps = self.inner_steps(t)
         if self.pending is not None:  # tau equals this island's inner steps
             self._apply_pending()
         sending = time.monotonic()
@@ -180,7 +181,7 @@ class Learner:
         sent = self._fragment_weights(self.exchanger.fragment_of(t).number)
         if self.rank == 0:
             if not math.isfinite(loss) or not bool(torch.isfinite(sent).all()):
-                raise LearnerDiverged(f"learner {self.slot.index} round {t}: its inner loss ({loss}) or weights are "
+                raise LearnerDiverged(f"learner {self.slot.index} round {t + 1}: its inner loss ({loss}) or weights are "
                                       "not finite; stopping instead of sending them to its peers")
             self.pending = self.exchanger.start(t, sent, None if wait is None else sending + wait)
         else:
@@ -192,7 +193,7 @@ class Learner:
         # Syncing is what the learner spent not computing: queueing the send and applying mixes,
         # including any wait for a message still on the link.
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
-                               time.monotonic() - round_started - self._sync_seconds, self._sync_seconds)
+                               time.monotonic() - round_started - self._sync_seconds, self._sync_seconds, steps)
         # One copy of the whole model (on rank 0), for the rounds that keep it.
         keeps = t in self.curve_rounds or self._checkpoint_due(t)
         weights = self.parallel.gather(list(self.model.parameters())) if keeps else None
@@ -217,13 +218,14 @@ class Learner:
             self.checkpoints.write(t, tensors, {**meta, "round": t})
         self.checkpointed = t
 
-    def inner_steps(self, round_index: int) -> float:
+    def inner_steps(self, round_index: int) -> tuple[float, StepValues]:
+        """The round's inner steps: their mean loss, and the values of those the ledger keeps."""
         island = self.slot.island
         total = island.inner_steps * self.spec.sync.rounds
         # Reseeded per round, so a resumed learner draws the windows it would have drawn anyway; every
         # rank draws the same ones (the learner's batch) whatever its number.
         self.sampler.generator.manual_seed(hash((self.spec.seed, self.slot.index, 0, round_index)) & 0x7FFF_FFFF_FFFF_FFFF)
-        losses = []
+        losses, kept = [], StepValues()
         for h in range(island.inner_steps):
             inputs, targets = (rows[self.my_rows] for rows in self.sampler.batch(island.batch_size))
             with forward_precision(self.device, island.precision):
@@ -231,15 +233,18 @@ class Learner:
             self.inner.zero_grad(set_to_none=False)
             loss.backward()
             self.parallel.sync_gradients(self.model)
-            optimizer_step(self.model, self.inner, learning_rate(round_index * island.inner_steps + h, total,
-                                                                 self.spec.training.lr, self.spec.training.warmup_steps))
+            step = round_index * island.inner_steps + h
+            lr = learning_rate(step, total, self.spec.training.lr, self.spec.training.warmup_steps)
+            grad_norm = optimizer_step(self.model, self.inner, lr)
             losses.append(loss.item())
+            if (step + 1) % self.step_stride == 0:
+                kept.keep(step, losses[-1], lr, grad_norm, peak_memory_bytes(self.device))
             watchdog.progress()
             if self.pending is not None and self.exchanger.due(h + 1):
                 self._apply_pending()
             if h == island.inner_steps // 2 and self.rank == 0:
                 self.faults.maybe_die(round_index)
-        return sum(losses) / len(losses)
+        return sum(losses) / len(losses), kept
 
     def _apply_pending(self) -> None:
         """Apply the exchange in flight; rank 0 computes the fragment's new weights and tells the others."""

@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from training.model.params import unflatten_into
 
@@ -25,12 +26,16 @@ def forward_precision(device: torch.device, precision: str) -> AbstractContextMa
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
-def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> None:
-    """Clip the gradients backward left in `model` and step at `lr`."""
+def optimizer_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float) -> torch.Tensor:
+    """Clip the gradients backward left in `model` and step at `lr`. Returns the gradients' norm before
+    clipping, as a tensor on the model's device (reading it is left to the caller: it waits for the device)."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
     optimizer.step()
+    # Sharded (FSDP2) gradients give each process its shards' part of the norm: the whole is one scalar's
+    # all-reduce, which every process of the learner makes here.
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def average_gradients(model: torch.nn.Module, world: int) -> None:
