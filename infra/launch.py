@@ -55,6 +55,9 @@ from infra.tracking_spec import TRACKER_CREDENTIALS
 
 # Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
 WINDOW_CLOSED = 75
+# Exit status of a learner that cannot start as the spec asks on its host (sysexits' EX_CONFIG): a
+# retry or a resume would meet the same error, so none is made or advised (`LearnerMisconfigured`).
+MISCONFIGURED = 78
 
 # Every learner process starts as `python -m infra.launch MODULE ARGS...` (see `main`).
 GUARDED = [sys.executable, "-m", "infra.launch"]
@@ -233,6 +236,10 @@ class LearnerFailed(RuntimeError):
     pass
 
 
+class LearnerMisconfigured(LearnerFailed):
+    """A learner that exited with `MISCONFIGURED`: its host or the spec must change before it can run."""
+
+
 class LearnersStopped(LearnerFailed):
     """The run's learners in this process were stopped by `stop_learners` (its lease could not be kept)."""
 
@@ -371,6 +378,8 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
         cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
         who = (f"learner {learner.learner}'s {learner.nodes} nodes" if learner.node is None else
                f"learner {learner.learner}" + (f" node {learner.node}" if learner.nodes > 1 else ""))
+        if code == MISCONFIGURED:
+            raise LearnerMisconfigured(f"{who} cannot start: {tail[-1] if tail else 'no output'}")
         raise LearnerFailed(f"{who} failed ({cause}); its last output:\n" + "\n".join(tail))
 
 

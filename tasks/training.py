@@ -17,6 +17,7 @@ from eval.tracking import Sink, TrackingUnavailable, learner_points, shared_sink
 from infra import layout
 from infra.authority import CONTROL
 from infra.derived import read_derived
+from infra.resumable import what_to_fix
 from infra.spec import RunSpec
 from infra.stores import open_run
 from tasks.faults import fail_once_if_asked
@@ -72,9 +73,14 @@ def numbered_from_one(event: dict) -> dict:
     return {**event, **{field: event[field] + 1 for field in ("round", "next_round") if isinstance(event.get(field), int)}}
 
 
+def worth_retrying(task, task_run, state) -> bool:
+    """A failed learner is retried unless its error is one a retry would meet again (`what_to_fix`)."""
+    return not isinstance(state.data, BaseException) or what_to_fix(state.data) is None
+
+
 # The lease term is the lifecycle's, not the learner's work: a resumed run's learners that finished stay Cached.
 @stage("train-learner", task_run_name="train-{island}-learner-{learner}", retries=2, retry_delay_seconds=1,
-       ignored_inputs=("lease_term",))
+       retry_condition_fn=worth_retrying, ignored_inputs=("lease_term",))
 def train_learner(spec: RunSpec, run_id: str, island: str, learner: int, until: datetime | None = None,
                   lease_term: int | None = None) -> dict:
     """One learner of an island's segment, as its own OS process (a torchrun group if it has several).

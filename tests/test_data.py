@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +62,64 @@ def test_validation_is_carved_from_training_by_whole_document_and_leaves_the_eva
     assert all(sides) and sum(map(len, sides)) == len(corpus) and set.union(*sides) == ids(corpus)
     assert 0 < sum(d.nbytes for group in validation for d in group) <= 4000
     assert split_validation(train, 0.0, 4000, seed=3) == (train, [])
+
+
+def test_every_path_in_a_spec_is_relative_to_the_data_root_wherever_the_command_runs(tmp_path, monkeypatch):
+    """Corpus patterns, the tokenizer's file and init_from's folder alike, none of them from the working
+    directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from infra.spec import parse_spec
+    from tests.corpora import corpus_folder
+    from training.data.corpora import check_data_paths, corpus_files, data_root, init_from_folder
+    from training.data.shards import load_tokenizer
+
+    folder = corpus_folder(tmp_path)
+    for i in range(3):
+        (folder / f"doc{i}.txt").write_text(f"document {i} " * 20)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["document"] * 10, trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "model").mkdir()
+    (folder / "model" / "config.json").write_text("{}")
+    spec = parse_spec({
+        "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 1}],
+        "model": {"kind": "transformers", "init_from": f"{folder.name}/model", "transformers": {
+            "architecture": "LlamaForCausalLM", "config": {"hidden_size": 16, "num_hidden_layers": 1,
+                                                           "num_attention_heads": 2, "intermediate_size": 32}}},
+        "data": {"tokenizer": {"path": f"{folder.name}/tokenizer.json", "vocab_size": tokenizer.get_vocab_size()},
+                 "corpora": [{"name": "mine", "source": "files", "paths": [f"{folder.name}/doc*.txt"]}]},
+        "sync": {"rounds": 1}, "store": {"url": str(tmp_path / "store")}})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    check_data_paths(spec)
+    root = data_root(spec)
+    assert corpus_files(spec.data.corpora[0], root) == [(folder / f"doc{i}.txt").resolve() for i in range(3)]
+    assert load_tokenizer(spec, root).get_vocab_size() == tokenizer.get_vocab_size()
+    assert init_from_folder(spec, root) == (folder / "model").resolve()
+
+
+def test_a_corpus_pattern_that_matches_nothing_stops_the_run_before_prefect_starts(tmp_path, capsys):
+    import yaml
+
+    from flows.cli import main
+    from tests.corpora import corpus_folder
+    from training.data.corpora import DATA_ROOT_ENV
+
+    folder = corpus_folder(tmp_path)
+    for i in range(4):
+        (folder / f"doc{i}.txt").write_text(f"document {i} " * 50)
+    missing = f"{folder.name}/chapters/*.txt"
+    config = tmp_path / "spec.yaml"
+    config.write_text(yaml.safe_dump({
+        "islands": [{"name": "a", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 1}],
+        "model": {"layers": 1, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "mine", "source": "files", "paths": [f"{folder.name}/doc*.txt", missing]}]},
+        "sync": {"rounds": 1}, "store": {"url": str(tmp_path / "store")}}))
+    for command in (["run", str(config)], ["prepare", str(config)]):
+        assert main(command) == 2
+        out, err = capsys.readouterr()
+        assert f"corpus mine: pattern {missing!r} matched no files in the data root" in err
+        assert len(err.strip().splitlines()) == 1 and str(Path(os.environ[DATA_ROOT_ENV]).resolve()) in err
+        assert "resume" not in err and not out  # nothing was started, and there is nothing to resume

@@ -294,3 +294,54 @@ def test_plan_command_profiles_with_the_run_s_own_learners(tmp_path, capsys):
     per_round = max(2 * written["islands"][i]["step_seconds"] + overheads["round_overhead_s"][i] for i in ("east", "west"))
     assert written["wall_s"] >= overheads["startup_s"] + 50 * per_round + overheads["teardown_s"] - 1e-6
     assert not (tmp_path / "never-written").exists()  # the profile's store is a temporary folder
+
+
+def test_plan_without_step_seconds_refuses_at_once_a_model_this_machine_cannot_step():
+    """The brief's 32B spec: measuring its inner steps here would hold its 8 learners' whole models at
+    once. `plan` says so and what to pass instead, in one line, instead of starting them."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "configs/plan-brief-32b.yaml"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr
+    assert errors[0].startswith("error: cannot measure the inner steps here: the 8 learners")
+    assert "--step-seconds gb300=S --step-seconds b300=S" in errors[0]
+
+
+def test_a_profiling_process_s_error_comes_back_as_one_line_and_releases_the_others():
+    import multiprocessing
+
+    from training.planning.profile import _profile_learner
+
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(2), context.Queue()
+    _profile_learner({"islands": []}, 1, 2, 1, start, results, 0.0)
+    learner, error, _ = results.get(timeout=10)
+    assert learner == 1 and error.startswith("invalid run spec: islands") and "\n" not in error
+    assert start.broken  # a learner waiting to start is released, not left at the barrier
+
+
+@pytest.mark.integration  # processes of its own, each with torch
+def test_a_profiling_process_that_dies_ends_the_measurement_at_once():
+    import multiprocessing
+    import os
+    import signal
+    import threading
+    import time
+
+    from training.planning.profile import ProfilingFailed, measure_step_seconds
+
+    def kill_one() -> None:
+        while len(multiprocessing.active_children()) < 4:
+            time.sleep(0.05)
+        os.kill(multiprocessing.active_children()[-1].pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_one)
+    killer.start()
+    with pytest.raises(ProfilingFailed, match=r"learner \d's process died \(killed by signal 9\)"):
+        measure_step_seconds(spec_of(), steps=100_000)  # its 4 learners would step for hours
+    killer.join()
+    assert multiprocessing.active_children() == []  # the others were ended with it

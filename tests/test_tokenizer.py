@@ -89,3 +89,18 @@ def test_a_tokenizer_that_is_not_the_spec_s_is_refused_naming_both_sizes(tmp_pat
                         ObjectStore(spec.store.url).child("runs/q"))
     with pytest.raises(SpecError, match="vocab_size"):
         spec_of(tmp_path, {"path": "x.json", "vocab_size": 1})
+
+
+def test_tokenizer_train_without_a_data_root_says_so_in_one_line(tmp_path, capsys, monkeypatch):
+    """Its corpora and its --out both lie under the data root, which only the environment sets."""
+    from training.data.corpora import DATA_ROOT_ENV
+
+    config = tmp_path / "spec.yaml"
+    config.write_text(yaml.safe_dump(spec_of(tmp_path).model_dump(mode="json")))
+    monkeypatch.delenv(DATA_ROOT_ENV)
+    assert main(["tokenizer", "train", str(config), "--out", str(tmp_path / "tokenizer.json")]) == 2
+    out, err = capsys.readouterr()
+    assert not out and len(err.strip().splitlines()) == 1
+    assert err.startswith(f"error: the spec's data paths are read only under the control plane's {DATA_ROOT_ENV}, "
+                          "which is not set")
+    assert not (tmp_path / "tokenizer.json").exists()

@@ -26,6 +26,7 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import datasets
 
+from infra.spec import SpecError
 from infra.store import parse_store_url
 
 datasets.disable_progress_bars()
@@ -222,8 +223,15 @@ def _load_text_files(files: list[Path]) -> list[Document]:
     return [Document(str(f), row["text"]) for f, row in zip(files, ds)]
 
 
+class DataError(SpecError):
+    """Data a spec names that cannot be read as it says: no data root, a path outside it, a pattern that
+    matches nothing, a tokenizer or model folder that is not there or not the spec's. A resume cannot
+    fix it; the spec or the data root must change."""
+
+
 def data_root(spec) -> Path:
-    """The folder `files` corpora may read from: $ARCHIPELAGO_DATA_ROOT, which the control plane must set.
+    """The folder every path in a spec is relative to (`files` corpora's patterns, `data.tokenizer.path`,
+    `model.init_from`), and that they may not leave: $ARCHIPELAGO_DATA_ROOT, which the control plane must set.
 
     A setting of the control plane, never of the spec: a spec can come from the UI's form, and its
     author could otherwise name any file the control plane can read. There is no default: a worker's
@@ -232,9 +240,9 @@ def data_root(spec) -> Path:
     """
     setting = os.environ.get(DATA_ROOT_ENV)
     if not setting:
-        raise PermissionError(f"`files` corpora are read only under the control plane's {DATA_ROOT_ENV}, which "
-                              "is not set: set it to the folder that holds the corpora (and neither Prefect's "
-                              "home nor a store)")
+        raise DataError(f"the spec's data paths are read only under the control plane's {DATA_ROOT_ENV}, which "
+                        "is not set: set it to the folder that holds the corpora (and neither Prefect's "
+                        "home nor a store)")
     root = Path(setting).resolve()
     guarded = {"Prefect's home": Path(os.environ.get("PREFECT_HOME") or PREFECT_HOME_DEFAULT).expanduser().resolve()}
     for what, store_spec in [("the run's store", spec.store),
@@ -244,28 +252,66 @@ def data_root(spec) -> Path:
             guarded[what] = Path(url)
     for what, path in guarded.items():
         if path.is_relative_to(root) or root.is_relative_to(path):
-            raise PermissionError(f"{DATA_ROOT_ENV} {root} overlaps {what} {path}: a `files` corpus could read it; "
-                                  "set it to a folder that holds only corpora")
+            raise DataError(f"{DATA_ROOT_ENV} {root} overlaps {what} {path}: a `files` corpus could read it; "
+                            "set it to a folder that holds only corpora")
     return root
 
 
+def under_data_root(path: str, root: Path) -> Path | None:
+    """A path a spec names, relative to `root` (the run's `data_root`) or absolute, resolved with its
+    symlinks; None when it lies outside `root`."""
+    resolved = (root / path).resolve()
+    return resolved if resolved.is_relative_to(root) else None
+
+
 def corpus_files(corpus, root: Path) -> list[Path]:
-    """The files a `files` corpus's glob patterns match, each of them (symlinks resolved) in `root`,
-    the run's `data_root`."""
+    """The files a `files` corpus's glob patterns match under `root` (the run's `data_root`, which relative
+    patterns start from), each of them (symlinks resolved) in it; every pattern must match a file."""
     for pattern in corpus.paths:
         # The fixed part of a pattern is checked before globbing, so "/**" does not walk the whole disk.
-        fixed = Path(*_leading_literal_parts(pattern)).resolve()
-        if not fixed.is_relative_to(root):
-            raise PermissionError(f"corpus {corpus.name}: pattern {pattern!r} is outside the data root {root} "
-                                  f"(the control plane's {DATA_ROOT_ENV})")
-    files = sorted({Path(p) for pattern in corpus.paths for p in glob(pattern, recursive=True)})
-    if not files:
-        raise FileNotFoundError(f"corpus {corpus.name}: paths {corpus.paths} matched no files")
+        if under_data_root(str(Path(*_leading_literal_parts(pattern))), root) is None:
+            raise DataError(f"corpus {corpus.name}: pattern {pattern!r} is outside the data root {root} "
+                            f"(the control plane's {DATA_ROOT_ENV})")
+    files = set()
+    for pattern in corpus.paths:
+        matched = {root / p for p in glob(pattern, root_dir=root, recursive=True) if (root / p).is_file()}
+        if not matched:
+            raise DataError(f"corpus {corpus.name}: pattern {pattern!r} matched no files in the data root {root}")
+        files |= matched
     for path in files:
         if not path.resolve().is_relative_to(root):
-            raise PermissionError(f"corpus {corpus.name}: {path} resolves to {path.resolve()}, outside the data "
-                                  f"root {root} (the control plane's {DATA_ROOT_ENV})")
-    return files
+            raise DataError(f"corpus {corpus.name}: {path} resolves to {path.resolve()}, outside the data "
+                            f"root {root} (the control plane's {DATA_ROOT_ENV})")
+    return sorted(files)
+
+
+def init_from_folder(spec, root: Path) -> Path:
+    """`model.init_from`'s folder in `root` (the run's `data_root`): a transformers model folder."""
+    folder = under_data_root(spec.model.init_from, root)
+    if folder is None or not (folder / "config.json").is_file():
+        raise DataError(f"model.init_from: {spec.model.init_from!r} is not a transformers model folder under the "
+                        f"data root {root}")
+    return folder
+
+
+def check_data_paths(spec, tokenizer: bool = True) -> None:
+    """Resolve every path `spec` names under the data root before any work, as data preparation and the
+    run's start will: each `files` corpus's patterns, `data.tokenizer`'s file and its vocabulary's size
+    (unless `tokenizer` is False: `archipelago tokenizer train` makes that file), and `model.init_from`'s
+    folder. Raises DataError naming the field."""
+    from training.data.shards import load_tokenizer
+
+    corpora = [corpus for corpus in spec.data.corpora if corpus.source == "files"]
+    tokenizer = tokenizer and spec.data.tokenizer is not None
+    if not (corpora or tokenizer or spec.model.init_from):
+        return
+    root = data_root(spec)
+    for corpus in corpora:
+        corpus_files(corpus, root)
+    if tokenizer:
+        load_tokenizer(spec, root)
+    if spec.model.init_from:
+        init_from_folder(spec, root)
 
 
 def _leading_literal_parts(pattern: str) -> list[str]:

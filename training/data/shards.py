@@ -25,7 +25,7 @@ from datasketch import MinHash, MinHashLSH
 from infra import layout
 from infra.stores import RunStores
 from infra.model_spec import BOS
-from training.data.corpora import Document, data_root, document_rank, load_documents
+from training.data.corpora import DataError, Document, data_root, document_rank, load_documents, under_data_root
 from training.data.streams import min_stream_tokens
 
 # Words and single punctuation marks: code and prose alike give shingles that reformatting keeps.
@@ -162,13 +162,13 @@ def load_tokenizer(spec, root: Path):
     checked to have the size the spec declares."""
     from tokenizers import Tokenizer
 
-    path = (root / spec.data.tokenizer.path).resolve()
-    if not path.is_relative_to(root) or not path.is_file():
-        raise ValueError(f"data.tokenizer.path: {spec.data.tokenizer.path!r} is not a file under the data root {root}")
+    path = under_data_root(spec.data.tokenizer.path, root)
+    if path is None or not path.is_file():
+        raise DataError(f"data.tokenizer.path: {spec.data.tokenizer.path!r} is not a file under the data root {root}")
     tokenizer = Tokenizer.from_file(str(path))
     if tokenizer.get_vocab_size() != spec.data.tokenizer.vocab_size:
-        raise ValueError(f"data.tokenizer: {path} has {tokenizer.get_vocab_size()} ids, the spec says vocab_size "
-                         f"{spec.data.tokenizer.vocab_size}")
+        raise DataError(f"data.tokenizer: {path} has {tokenizer.get_vocab_size()} ids, the spec says vocab_size "
+                        f"{spec.data.tokenizer.vocab_size}")
     return tokenizer
 
 

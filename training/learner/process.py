@@ -8,7 +8,8 @@ process group, and runs the learner.
 The exit status tells the launcher how the segment ended: 0 when the learner finished its
 rounds, `WINDOW_CLOSED` when it stopped at its capacity window's end; `watchdog.STALLED` when it
 made no progress for too long; `lease.SUPERSEDED` when a newer lease term than the one it was
-started under (`--lease-term`) holds the run.
+started under (`--lease-term`) holds the run; `MISCONFIGURED` when it cannot start as the spec asks
+on this host (an island of device cuda on a host without one).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from infra import watchdog
 from infra.authority import Authority
 from infra.lease import LeaseFence
-from infra.launch import WINDOW_CLOSED, learner_arguments, started_spec
+from infra.launch import MISCONFIGURED, WINDOW_CLOSED, learner_arguments, started_spec
 from infra.retry import RetryPolicy
 from infra.store import ObjectStore
 from infra.stores import RunStores
@@ -36,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     spec = started_spec(args)
+    slot = spec.learners[args.learner]
+    if slot.island.device == "cuda" and not torch.cuda.is_available():
+        print(f"learner {args.learner}: island {slot.island.name} has device cuda, and torch finds no CUDA device "
+              "on this host", flush=True)
+        return MISCONFIGURED
     watchdog.arm(spec.learner_stall_limit_s, f"learner {args.learner} (rank {rank})")
     faults = store_faults(spec, args.learner)
     island = spec.learners[args.learner].island.name

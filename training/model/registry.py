@@ -51,13 +51,12 @@ def commit_initial_weights(spec, run_store, root: Path) -> None:
         return
     from transformers import AutoModelForCausalLM
 
-    folder = (root / spec.model.init_from).resolve()
-    if not folder.is_relative_to(root) or not (folder / "config.json").is_file():
-        raise ValueError(f"model.init_from: {spec.model.init_from!r} is not a transformers model folder under the "
-                         f"data root {root}")
+    from training.data.corpora import DataError, init_from_folder
+
+    folder = init_from_folder(spec, root)
     model = build_model(spec)
     try:
         model.lm.load_state_dict(AutoModelForCausalLM.from_pretrained(folder).state_dict(), strict=True)
     except RuntimeError as err:  # names the tensors missing, unexpected or of another shape
-        raise ValueError(f"model.init_from: {folder} does not fit the spec's model: {err}") from None
+        raise DataError(f"model.init_from: {folder} does not fit the spec's model: {err}") from None
     commit_derived(run_store, layout.INITIAL, {"weights": flat_parameters(model)}, {"from": spec.model.init_from})

@@ -18,9 +18,6 @@ machine. `bench/shaped_link.py` measures what those cost and sets the plan besid
 from __future__ import annotations
 
 import math
-import multiprocessing
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +28,7 @@ from infra.spec import RunSpec
 from infra.store import ObjectRef, json_document
 from training.exchange.fragments import assign_fragments, fragment_of_round
 from training.model.registry import build_model
+from training.planning.profile import check_profiling_fits_here, measure_step_seconds
 from training.planning.windows import Stretch, WindowedClock, windows_plan
 from training.exchange.exchanger import (CROSSING, MIXED, ROUND, SYNC_MODES, Hierarchical, crossing_slices,
                                          expected_message, island_links, message_codec, message_key)
@@ -304,56 +302,6 @@ def complete_step_seconds(spec: RunSpec, given: dict[str, float]) -> tuple[dict[
     seconds a learner takes to be ready to step, when anything was measured."""
     if all(island.name in given for island in spec.islands):
         return dict(given), None
+    check_profiling_fits_here(spec, given, profile_run=False)
     measured, ready_s = measure_step_seconds(spec)
     return {**measured, **given}, ready_s
-
-
-def measure_step_seconds(spec: RunSpec, steps: int = 6) -> tuple[dict[str, float], float]:
-    """Seconds per inner step of each island's learners, measured here with every learner of the run
-    stepping at once, each in its own process with the threads a learner process gets, as they
-    will share this machine's cores; and the seconds a learner process takes to be ready to step."""
-    from infra.launch import threads_per_process
-
-    context = multiprocessing.get_context("spawn")
-    start = context.Barrier(len(spec.learners))
-    results = context.Queue()
-    began = time.monotonic()
-    workers = [context.Process(target=_profile_learner,
-                               args=(spec.model_dump(mode="json"), slot.index, steps, threads_per_process(spec),
-                                     start, results, began))
-               for slot in spec.learners]
-    for worker in workers:
-        worker.start()
-    measured = [results.get(timeout=600) for _ in workers]
-    for worker in workers:
-        worker.join()
-    per_island: dict[str, list[float]] = {}
-    for learner, seconds, _ in measured:
-        per_island.setdefault(spec.learners[learner].island.name, []).append(seconds)
-    return ({island: statistics.median(times) for island, times in per_island.items()},
-            max(ready for _, _, ready in measured))
-
-
-def _profile_learner(raw_spec: dict, learner: int, steps: int, threads: int, start, results, began: float) -> None:
-    """One learner's inner steps on random bytes: its model, optimizer, batch and precision."""
-    from training.model.inner import forward_precision, inner_optimizer, optimizer_step
-
-    torch.set_num_threads(threads)
-    spec = RunSpec.model_validate(raw_spec)
-    island = spec.learners[learner].island
-    model = build_model(spec)
-    optimizer = inner_optimizer(model.parameters(), spec.training.lr, spec.training.weight_decay)
-    rows = island.batch_size // island.processes_per_learner
-    data = torch.randint(0, 256, (rows, island.seq_len + 1), generator=torch.Generator().manual_seed(learner))
-    ready = time.monotonic() - began
-    start.wait()
-    times = []
-    for _ in range(steps + 1):
-        step_began = time.perf_counter()
-        with forward_precision(torch.device("cpu"), island.precision):
-            loss = model.loss(data[:, :-1], data[:, 1:])
-        optimizer.zero_grad(set_to_none=False)
-        loss.backward()
-        optimizer_step(model, optimizer, spec.training.lr)
-        times.append(time.perf_counter() - step_began)
-    results.put((learner, statistics.median(times[1:]), ready))  # the first step pays for allocation

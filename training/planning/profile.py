@@ -1,6 +1,6 @@
 """A short profiling run: the run's own learners, for a few rounds, on this machine with nothing on a link.
 
-`training.planning.planner.measure_step_seconds` times inner steps alone. A learner's round also spends time
+`measure_step_seconds` (below) times inner steps alone. A learner's round also spends time
 outside them: the exchange's local work (encoding, checksums, the store's requests, the outer step),
 its checkpoint, the background work that competes with its compute for cores; and the run spends
 time before the first inner step (imports, the spec, its shard) and after the last round (final
@@ -8,6 +8,9 @@ checkpoint, summary, exit). Those do not depend on the link, so they are measure
 every learner of the spec started as the lifecycle starts it (`infra.launch`), all at once, against
 a store at local speed, each island's learners on cores of their own as separate sites' would be
 (`infra.launch.island_cores`); the planner then adds what the link costs (`plan_run(..., profile=...)`).
+
+Both start only when the memory plan's figures for them fit the memory this machine has available
+(`check_fits_here`), and end as soon as one of their processes fails.
 """
 
 from __future__ import annotations
@@ -15,16 +18,24 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import multiprocessing
+import queue
 import statistics
 import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 
-from infra.launch import LearnerProcess, island_cores, run_learner, threads_per_process
-from infra.spec import RunSpec, parse_spec, spec_sha256
+import psutil
+import torch
+
+from infra.launch import LearnerProcess, island_cores, run_learner, stop_learners, threads_per_process
+from infra.spec import RunSpec, SpecError, parse_spec, spec_sha256
 from training.exchange.exchanger import first_crossing, mode_period
 from training.learner.ledger import read_summaries
+from training.model.registry import build_model
+from training.planning.memory import gigabytes, host_bytes, model_shape, model_sizes, rank_memory
 
 # At least four timed rounds give each learner four round lengths (`profile_rounds`).
 PROFILE_ROUNDS = 5
@@ -35,6 +46,61 @@ PROFILE_ROUNDS = 5
 # steps unless the learner waits for them: the message's encoding and write, its peers' messages,
 # the mix and outer step.
 ROUND_PARTS = ("inner_steps", "sync", "waiting_for_exchange", "checkpoint", "publish", "receive", "outer_step")
+
+
+class CannotProfileHere(SpecError):
+    """A spec whose learners would not fit this machine's memory, so cannot be profiled here."""
+
+
+class ProfilingFailed(RuntimeError):
+    """A profiling process failed or died; the profile ended there, its other processes with it."""
+
+
+def stepping_bytes(spec: RunSpec) -> int:
+    """What `training.planning.planner.measure_step_seconds` holds here at once: every learner as one
+    process with the whole model, its inner optimizer and one rank's batch (the memory plan's figures)."""
+    sizes, shape = model_sizes(spec), model_shape(spec)
+    return sum(rank_memory(spec, slot.island, sizes, shape, "data_parallel", slot.island.processes_per_learner).peak
+               for slot in spec.learners)
+
+
+def profile_run_bytes(spec: RunSpec) -> int:
+    """What `profile_run` holds here at once: every learner's ranks as its island runs them, and the
+    exchange's state on its host (the memory plan's figures)."""
+    sizes, shape = model_sizes(spec), model_shape(spec)
+    exchange = sum(host_bytes(spec, sizes).values())
+    return sum(slot.island.processes_per_learner * rank_memory(spec, slot.island, sizes, shape).peak + exchange
+               for slot in spec.learners)
+
+
+def check_fits_here(spec: RunSpec, needed: int, what: str) -> None:
+    """Raise CannotProfileHere, before anything starts, when `needed` bytes (the memory plan's figure for
+    `what`) exceed the memory this machine has available: otherwise its processes would be killed, or
+    swap, on a model meant for other machines."""
+    available = psutil.virtual_memory().available
+    if needed > available:
+        flags = " ".join(f"--step-seconds {island.name}=S" for island in spec.islands)
+        raise CannotProfileHere(
+            f"cannot {what} here: the {len(spec.learners)} learners at once need {gigabytes(needed)} GB by the "
+            f"memory plan, and this machine has {gigabytes(available)} GB available; give each island's "
+            f"seconds per inner step ({flags}), or plan on a machine that fits (--profile-run there profiles "
+            "with the run's own learners)")
+
+
+def check_profiling_fits_here(spec: RunSpec, given_step_seconds: dict[str, float], profile_run: bool) -> None:
+    """Before `plan` does anything else: raise CannotProfileHere when what it would run here to fill in
+    what it was not given (the run's own learners with `profile_run`, else the inner steps of the islands
+    `given_step_seconds` leaves out) does not fit this machine."""
+    if profile_run:
+        check_fits_here(spec, profile_run_bytes(spec), "profile the run's own learners")
+    elif any(island.name not in given_step_seconds for island in spec.islands):
+        check_fits_here(spec, stepping_bytes(spec), "measure the inner steps")
+
+
+def one_line(err: BaseException) -> str:
+    """An error's first line and, when it goes on (a learner's last output), its last: what failed and why."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return " ".join(dict.fromkeys(lines[:1] + lines[-1:])) or type(err).__name__
 
 
 @dataclass(frozen=True)
@@ -129,9 +195,12 @@ def profile_spec(spec: RunSpec, store: dict, at_least: int = PROFILE_ROUNDS) -> 
 def profile_run(spec: RunSpec, store: dict | None = None, at_least: int = PROFILE_ROUNDS) -> RunProfile:
     """Run the spec's learners as `profile_spec` says, against `store` (by default a fresh local folder),
     and time them."""
+    from training.data.corpora import check_data_paths
     from training.data.shards import prepare_dataset
     from training.stages import start_run
 
+    check_profiling_fits_here(spec, {}, profile_run=True)
+    check_data_paths(spec)
     with tempfile.TemporaryDirectory(prefix="archipelago-profile-") as folder:
         profiled = profile_spec(spec, store or {"url": folder}, at_least)
         run_id = f"profile-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -156,8 +225,11 @@ def profile_run(spec: RunSpec, store: dict | None = None, at_least: int = PROFIL
             exits[slot.index] = time.monotonic() - launched
 
         with ThreadPoolExecutor(len(profiled.learners)) as pool:
-            for done in [pool.submit(learner, slot) for slot in profiled.learners]:
-                done.result()
+            for done in as_completed([pool.submit(learner, slot) for slot in profiled.learners]):
+                if done.exception() is not None:
+                    # Its partners would otherwise wait out their timeouts for it.
+                    stop_learners(run_id, "another learner of the profile failed")
+                    raise ProfilingFailed(f"profiling run: {one_line(done.exception())}")
         summaries = read_summaries(profiled, run)
     return summarise(profiled, summaries, round_times, exits, checkpoints_per_round(spec))
 
@@ -229,3 +301,92 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
                       sum(spec.learners[s.learner].tokens_per_round() * len(timed) for s in summaries) /
                       (max(ends[checkpointed - 1] for ends in round_times.values()) -
                        min(ends[settle - 1] for ends in round_times.values())))
+
+
+def measure_step_seconds(spec: RunSpec, steps: int = 6, timeout_s: float = 600) -> tuple[dict[str, float], float]:
+    """Seconds per inner step of each island's learners, measured here with every learner of the run
+    stepping at once, each in its own process with the threads a learner process gets, as they
+    will share this machine's cores; and the seconds a learner process takes to be ready to step.
+    Raises ProfilingFailed as soon as one of the processes fails or dies, ending the others."""
+    from infra.launch import threads_per_process
+
+    context = multiprocessing.get_context("spawn")
+    start = context.Barrier(len(spec.learners))
+    results = context.Queue()
+    began = time.monotonic()
+    workers = [context.Process(target=_profile_learner,
+                               args=(spec.model_dump(mode="json"), slot.index, steps, threads_per_process(spec),
+                                     start, results, began))
+               for slot in spec.learners]
+    for worker in workers:
+        worker.start()
+    try:
+        measured = _results_while_alive(workers, results, began + timeout_s)
+    finally:
+        for worker in workers:
+            if worker.is_alive():
+                worker.terminate()
+            worker.join()
+    per_island: dict[str, list[float]] = {}
+    for learner, seconds, _ in measured:
+        per_island.setdefault(spec.learners[learner].island.name, []).append(seconds)
+    return ({island: statistics.median(times) for island, times in per_island.items()},
+            max(ready for _, _, ready in measured))
+
+
+def _results_while_alive(workers: list, results, deadline: float) -> list[tuple[int, float, float]]:
+    """Every worker's measurement (learner, seconds per step, seconds to be ready); a worker's error, or
+    its death without a measurement (killed for memory, say), ends the wait at once."""
+    measured = []
+    while len(measured) < len(workers):
+        try:
+            learner, seconds, ready = results.get(timeout=0.5)
+        except queue.Empty:
+            died = next((n for n, worker in enumerate(workers) if worker.exitcode not in (None, 0)), None)
+            if died is not None:
+                code = workers[died].exitcode
+                cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+                raise ProfilingFailed(f"measuring the inner steps: learner {died}'s process died ({cause})") from None
+            if time.monotonic() > deadline:
+                raise ProfilingFailed("measuring the inner steps: no measurement within the time allowed") from None
+            continue
+        if isinstance(seconds, str):  # the worker's error
+            raise ProfilingFailed(f"measuring the inner steps: learner {learner}: {seconds}")
+        measured.append((learner, seconds, ready))
+    return measured
+
+
+def _profile_learner(raw_spec: dict, learner: int, steps: int, threads: int, start, results, began: float) -> None:
+    """One learner's inner steps on random bytes: its model, optimizer, batch and precision. An error is
+    sent back as one line, in place of the seconds, for the parent to end the profile with."""
+    try:
+        _step_learner(raw_spec, learner, steps, threads, start, results, began)
+    except threading.BrokenBarrierError:
+        pass  # another learner failed, and the parent ends this one
+    except Exception as err:  # noqa: BLE001 - whatever ended it, the parent says so and ends the others
+        results.put((learner, one_line(err), 0.0))
+        start.abort()
+
+
+def _step_learner(raw_spec: dict, learner: int, steps: int, threads: int, start, results, began: float) -> None:
+    from training.model.inner import forward_precision, inner_optimizer, optimizer_step
+
+    spec = parse_spec(raw_spec, "plan")  # the parent checked it for what planning needs
+    torch.set_num_threads(threads)
+    island = spec.learners[learner].island
+    model = build_model(spec)
+    optimizer = inner_optimizer(model.parameters(), spec.training.lr, spec.training.weight_decay)
+    rows = island.batch_size // island.processes_per_learner
+    data = torch.randint(0, 256, (rows, island.seq_len + 1), generator=torch.Generator().manual_seed(learner))
+    ready = time.monotonic() - began
+    start.wait()
+    times = []
+    for _ in range(steps + 1):
+        step_began = time.perf_counter()
+        with forward_precision(torch.device("cpu"), island.precision):
+            loss = model.loss(data[:, :-1], data[:, 1:])
+        optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        optimizer_step(model, optimizer, spec.training.lr)
+        times.append(time.perf_counter() - step_began)
+    results.put((learner, statistics.median(times[1:]), ready))  # the first step pays for allocation
