@@ -6,7 +6,8 @@ spec -> memory check -> shards -> island training segments (every learner of eve
 Every stage persists its result in the run's store under a cache key made of its inputs, so a
 retried or resumed run re-executes only the stages that did not complete. A lifecycle holds the
 run's lease while it runs, so a second lifecycle of the same run id (a resume of a run still
-going) is refused.
+going) is refused. An interrupted lifecycle (Ctrl-C, SIGTERM: Prefect raises `TerminationSignal`)
+stops the run's work, then releases the lease.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from infra.authority import CONTROL
@@ -48,25 +50,31 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     run_id = run_id or new_run_id(spec)
     with held_lease(open_run(spec, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
                     warn=get_run_logger().warning, on_lost=lambda reason: stop_run_work(run_id, reason)) as lease:
-        start_run(spec, run_id)
-        publish_tracker_link(spec, run_id)
-        prepare_data(spec, run_id)
-        if islands_via == "deployments":
-            segments = [island_segments.submit(spec, run_id, island.name, lease.term) for island in spec.islands]
-        else:
-            segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index, lease_term=lease.term)
-                        for slot in spec.learners]
-        for segment in segments:
-            segment.result()
-        consensus = consolidate_learners(spec, run_id)
-        baseline = None
-        if spec.evaluation.baseline == "standard":
-            on_island = spec.evaluation.baseline_island is not None and islands_via == "deployments"
-            baseline = island_baseline(spec, run_id) if on_island else train_standard(spec, run_id)
-        evals = evaluate_models(spec, run_id)
-        curve = evaluate_curve_points(spec, run_id)
-        report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
-        publish_figures(spec, run_id, report["communication"], curve)
+        try:
+            start_run(spec, run_id)
+            publish_tracker_link(spec, run_id)
+            prepare_data(spec, run_id)
+            if islands_via == "deployments":
+                segments = [island_segments.submit(spec, run_id, island.name, lease.term) for island in spec.islands]
+            else:
+                segments = [train_learner.submit(spec, run_id, slot.island.name, slot.index, lease_term=lease.term)
+                            for slot in spec.learners]
+            for segment in segments:
+                segment.result()
+            consensus = consolidate_learners(spec, run_id)
+            baseline = None
+            if spec.evaluation.baseline == "standard":
+                on_island = spec.evaluation.baseline_island is not None and islands_via == "deployments"
+                baseline = island_baseline(spec, run_id) if on_island else train_standard(spec, run_id)
+            evals = evaluate_models(spec, run_id)
+            curve = evaluate_curve_points(spec, run_id)
+            report = publish_report(spec, run_id, evals, consensus, baseline, time.monotonic() - started)
+            publish_figures(spec, run_id, report["communication"], curve)
+        except (KeyboardInterrupt, TerminationSignal) as interrupt:
+            # Stopped before the lease is released, so no resume trains beside these learners; and
+            # before the flow ends, whose task runner waits for every learner's thread.
+            stop_run_work(run_id, f"the lifecycle was interrupted ({type(interrupt).__name__})")
+            raise
     return report
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from dateutil.rrule import DAILY, rrule
 from prefect.deployments.runner import EntrypointType
 
+from infra.guard import PARENT_PID, guarded_module
 from infra.spec import RunSpec
 from infra.windows import CapacityWindow
 from tasks.segments import island_pool
@@ -54,6 +55,11 @@ AUTH_USER = "archipelago"
 EXECUTION_VARIABLES = ("command", "env", "working_dir")
 
 
+def new_auth_string() -> str:
+    """A fresh auth string, in the user:password form the UI's login takes."""
+    return f"{AUTH_USER}:{secrets.token_urlsafe(32)}"
+
+
 def api_auth_string(home: Path) -> str:
     """The string the API asks for: $PREFECT_API_AUTH_STRING if set, else the one kept in
     `home`/api-auth-string (mode 0600, made on first use, so a restarted server keeps it)."""
@@ -68,7 +74,7 @@ def api_auth_string(home: Path) -> str:
             raise PermissionError(f"{path} is readable by other users: chmod 600 it, or delete it for a new one")
         return path.read_text().strip()
     with os.fdopen(fd, "w") as out:
-        out.write(f"{AUTH_USER}:{secrets.token_urlsafe(32)}\n")
+        out.write(new_auth_string() + "\n")
     return path.read_text().strip()
 
 
@@ -95,9 +101,13 @@ def process_pools(spec: RunSpec) -> list[str]:
     return [pool for pool, kind in pools_of(spec).items() if kind == "process"]
 
 
-def wait_healthy(api_url: str, timeout_s: float) -> None:
+def wait_healthy(api_url: str, timeout_s: float, server: subprocess.Popen | None = None) -> None:
+    """Until the API at `api_url` answers; TimeoutError after `timeout_s`, or as soon as `server` exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise TimeoutError(f"the Prefect server for {api_url} exited (status {server.returncode}) "
+                               "before it answered")
         try:
             with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
                 if response.status == 200:
@@ -124,15 +134,16 @@ def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
 
 
 @contextmanager
-def _started(commands: list[list[str]], env: dict, logs: list[Path], grace_s: float = SERVER_GRACE_S):
-    """`commands` started, each in its own session with its output to its log; stopped together on exit,
-    with `grace_s` to end before they are killed."""
+def _started(commands: list[list[str]], env: dict, logs: list[Path], grace_s: float = SERVER_GRACE_S,
+             umask: int = -1):
+    """`commands` started, each in its own session with its output to its log (and the file mode mask
+    `umask`, -1: this process's); stopped together on exit, with `grace_s` to end before they are killed."""
     processes = []
     try:
         for command, log in zip(commands, logs, strict=True):
             with log.open("ab") as out:
                 processes.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                                  start_new_session=True))
+                                                  start_new_session=True, umask=umask))
         yield processes
     finally:
         _stop(processes, grace_s)
@@ -143,16 +154,21 @@ def prefect_server(port: int, home: Path, log_dir: Path, auth_string: str, start
                    host: str = "127.0.0.1", wrapper: tuple[str, ...] = ()):
     """A `prefect server` bound to `host` (loopback, or an address inside a namespace of the caller's
     own, as the shaped-link bench gives its first island), started under the command prefix
-    `wrapper`, answering only requests that carry `auth_string` (its health check excepted); yields
-    its API URL."""
+    `wrapper` (which must exec it), answering only requests that carry `auth_string` (its health check
+    excepted) and cross-origin requests from its own origin only; yields its API URL. It runs in a
+    session of its own (a Ctrl-C to the terminal's process group does not reach it), writes its files
+    (its database) readable by its user only, and dies with the calling thread (`infra.guard`)."""
     home.mkdir(parents=True, exist_ok=True)
+    origin = f"http://{host}:{port}"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_AUTH_STRING": auth_string,
-           "PREFECT_SERVER_API_HOST": host,
-           "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+           "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": origin,
+           "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           PARENT_PID: str(os.getpid())}
     env.pop("PREFECT_API_URL", None)
-    api_url = f"http://{host}:{port}/api"
-    with _started([[*wrapper, sys.executable, "-m", "prefect", "server", "start"]], env, [log_dir / "prefect-server.log"]):
-        wait_healthy(api_url, startup_timeout_s)
+    api_url = f"{origin}/api"
+    with _started([[*wrapper, *guarded_module("prefect"), "server", "start"]], env, [log_dir / "prefect-server.log"],
+                  umask=0o077) as (server,):
+        wait_healthy(api_url, startup_timeout_s, server)
         yield api_url
 
 

@@ -7,7 +7,7 @@ A learner never outlives the process that started it, so a retry never runs a se
 a stray first one: `run_learner` starts it in its own process group and ends that group however
 it returns (the learner's exit, an error relaying its output, an interrupt), and every learner
 process, torchrun's workers included, starts through this module's `main`, which has the kernel
-kill it when its parent dies (a parent killed with SIGKILL runs no cleanup of its own).
+kill it when its parent dies (`infra.guard`: a parent killed with SIGKILL runs no cleanup of its own).
 
 Nothing a torchrun group opens listens beyond loopback, or beyond the island's
 `network_interface` for a learner that spans several nodes: its rendezvous store is bound to
@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import ipaddress
 import os
-import runpy
 import shutil
 import signal
 import socket
@@ -48,6 +46,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCP
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from infra import layout
+from infra.guard import PARENT_PID, SLURM_STEP_DAEMON, die_with_parent, run_module
 from infra.rendezvous import ANNOUNCEMENT, RENDEZVOUS_TIMEOUT_S, Endpoint, announcement
 from infra.spec import IslandSpec, RunSpec, spec_sha256
 from infra.store import ObjectStore
@@ -66,15 +65,9 @@ LEARNER_MODULE = "training.learner.process"
 # Started by srun on each node of a learner that spans several: it starts that node (training/node.py).
 NODE_LAUNCHER_MODULE = "training.node"
 BOUND_RENDEZVOUS = "archipelago-bound"
-# The pid a guarded process must find as its parent; each guarded process sets it to its own for its children.
-PARENT_PID = "ARCHIPELAGO_PARENT_PID"
 # How long a learner's group gets to exit on SIGTERM (torchrun stops its workers) before SIGKILL.
 TERMINATE_GRACE_S = 5.0
-PR_SET_PDEATHSIG = 1
 SRUN = "srun"
-# The parent a learner that srun started finds on its node: the step's Slurm daemon, which ends the
-# step's processes with the step. srun hands its tasks this name as PARENT_PID.
-SLURM_STEP_DAEMON = "slurmstepd"
 # The relative node id Slurm gives each task of a job: a node launcher's node rank.
 SLURM_NODE_ID = "SLURM_NODEID"
 
@@ -367,7 +360,8 @@ def run_learner(learner: LearnerProcess, store_url: str, endpoint_url: str | Non
                     if on_rendezvous is not None and tail[-1].startswith(ANNOUNCEMENT):
                         publish, on_rendezvous = on_rendezvous, None
                         publish(tail[-1])
-                    on_line(tail[-1])
+                    if run_id not in _stopped:  # a stopped learner's dying words (torchrun's traceback) are noise
+                        on_line(tail[-1])
                 proc.wait()
         finally:
             end_group(proc)
@@ -405,40 +399,24 @@ def end_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def kill_children() -> None:
+    """SIGKILL every child of this process now, without waiting: those that lead a process group of
+    their own (learners, a server) with their whole group. For a process about to exit at once, such as
+    on a second Ctrl-C; it takes no lock, so a signal handler may call it."""
+    own_group = os.getpgrp()
+    for child in psutil.Process().children():
+        with contextlib.suppress(ProcessLookupError):
+            if os.getpgid(child.pid) == own_group:
+                os.kill(child.pid, signal.SIGKILL)
+            else:
+                _signal_group(os.getpgid(child.pid), signal.SIGKILL)
+
+
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     try:
         os.killpg(pgid, sig)
     except ProcessLookupError:  # the group is already empty
         pass
-
-
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies; exit now if it already has.
-
-    The parent may die between its fork and this call, leaving us reparented: the launcher's pid
-    it left in the environment tells. Linux only: elsewhere a learner relies on `run_learner`
-    ending its group."""
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    expected, parent = os.environ[PARENT_PID], os.getppid()
-    if expected == SLURM_STEP_DAEMON:  # started by srun on a Slurm node
-        if _command_name(parent) != SLURM_STEP_DAEMON:
-            sys.exit(f"learner process {os.getpid()}: told srun started it, but its parent {parent} is not "
-                     f"{SLURM_STEP_DAEMON}; not starting")
-    elif parent != int(expected):
-        sys.exit(f"learner process {os.getpid()}: its parent is {parent}, not the launcher {expected} "
-                 "(the launcher died, or a wrapper forked instead of exec'ing); not starting")
-    os.environ[PARENT_PID] = str(os.getpid())
-
-
-def _command_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
 
 
 class BoundRendezvous(StaticTCPRendezvous):
@@ -497,8 +475,7 @@ def main(argv: list[str]) -> None:
         os.execvp(SRUN, argv)
     if module == TORCHRUN:
         rendezvous_handler_registry.register(BOUND_RENDEZVOUS, bound_rendezvous)
-    sys.argv = argv  # run_module replaces argv[0] with the module's path, as `python -m` does
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    run_module(argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,12 @@ The store is write-once, so the lease is a chain of objects in the run's prefix,
     lease/<term>/released.json       the holder let go
 
 The newest term decides. It is live until released or past its newest expiry; then the next
-lifecycle takes the run by creating the claim of the next term. Two lifecycles racing for the same
+lifecycle takes the run by creating the claim of the next term. A live term whose holder is provably
+gone is taken at once: its claim names this host and this machine's pid space (boot and pid
+namespace), and its pid runs no process here (a lifecycle killed with SIGKILL). A holder that runs,
+or on another host, or whose claim does not say where, still holds the run until its lease expires:
+a claim is trusted no further than before (signed by the control plane in a signed run), and one
+that names a live process blocks as it always did. Two lifecycles racing for the same
 term both try to create the same claim object: the store creates an object at most once (local
 folders by an atomic hard link, S3 by a conditional PUT), so exactly one wins and the other is
 refused, naming the winner.
@@ -36,6 +41,9 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import psutil
 
 from infra.store import IntegrityError, ObjectExists, ObjectStore, StoreError
 
@@ -85,9 +93,34 @@ def _stamp(moment: datetime) -> str:
     return moment.isoformat(timespec="milliseconds")
 
 
+# The holder's field naming where its pid means a process: this machine's boot and its pid namespace.
+PID_SPACE = "pid space"
+
+
+def _pid_space() -> str | None:
+    """This machine's current boot and this process's pid namespace (Linux); None where unknown."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def this_process(**details: str) -> dict[str, str]:
     """A holder's description: this host and process, plus whatever names it further (a flow run)."""
-    return {**details, "host": socket.gethostname(), "pid": str(os.getpid())}
+    space = _pid_space()
+    return {**details, "host": socket.gethostname(), "pid": str(os.getpid()),
+            **({PID_SPACE: space} if space else {})}
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether `pid` is a process here that has not exited (a zombie has; one we may not inspect runs)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
 
 
 @dataclass(frozen=True)
@@ -100,8 +133,17 @@ class _Term:
     def live(self, now: datetime) -> bool:
         return not self.released and now < self.expires_at
 
+    def holder_gone(self) -> bool:
+        """Whether the holder is provably gone: a process of this host and pid space whose pid runs no
+        process. Anything else (another host, a claim that does not say, a live pid) is not proof."""
+        holder, space = self.claim["holder"], _pid_space()
+        pid = holder.get("pid")
+        if space is None or holder.get("host") != socket.gethostname() or holder.get(PID_SPACE) != space:
+            return False
+        return isinstance(pid, str) and pid.isascii() and pid.isdigit() and not _process_runs(int(pid))
+
     def describe(self, run_id: str) -> str:
-        holder = ", ".join(f"{name} {value}" for name, value in self.claim["holder"].items())
+        holder = ", ".join(f"{name} {value}" for name, value in self.claim["holder"].items() if name != PID_SPACE)
         return (f"run {run_id} is being driven by another lifecycle ({holder}) since {self.claim['claimed_at']}; "
                 f"its lease expires at {_stamp(self.expires_at)} unless renewed. If that lifecycle is gone, "
                 "resume after that time")
@@ -186,15 +228,19 @@ class LeaseFence:
 class RunLease:
     """The lease one lifecycle holds on a run: acquire it, renew it, release it."""
 
-    def __init__(self, store: ObjectStore, run_id: str, term: int, ttl_s: float, expires_at: datetime):
+    def __init__(self, store: ObjectStore, run_id: str, term: int, ttl_s: float, expires_at: datetime,
+                 taken_from: str | None = None):
         self.store, self.run_id, self.term, self.ttl_s = store, run_id, term, ttl_s
         self.expires_at = expires_at
         self.renewals = 0
+        # The previous term's holder, when this lease took the run from a holder that is gone before its expiry.
+        self.taken_from = taken_from
 
     @classmethod
     def acquire(cls, store: ObjectStore, run_id: str, holder: dict[str, str],
                 ttl_s: float = LEASE_TTL_S) -> "RunLease":
-        """Take the run's lease, or raise `LeaseHeld` naming the lifecycle that holds it.
+        """Take the run's lease, or raise `LeaseHeld` naming the lifecycle that holds it (one that is
+        provably gone holds nothing).
 
         `store` is the run's own prefix."""
         now = _now()
@@ -202,8 +248,12 @@ class RunLease:
         # second alone, and this lifecycle would take the term after a live one.
         terms = _terms(store)
         newest = _newest_term(store, terms)
+        taken_from = None
         if newest is not None and newest.live(now):
-            raise LeaseHeld(newest.describe(run_id))
+            if not newest.holder_gone():
+                raise LeaseHeld(newest.describe(run_id))
+            taken_from = (f"term {newest.term}, held by " + ", ".join(
+                f"{name} {value}" for name, value in newest.claim["holder"].items() if name != PID_SPACE))
         # Past every listed term, read or not: a planted claim squats its term number, not the run.
         term = max(terms, default=-1) + 1
         expires_at = now + timedelta(seconds=ttl_s)
@@ -214,7 +264,7 @@ class RunLease:
             taken = _read_term(store, term)
             raise LeaseHeld(taken.describe(run_id) if taken else f"run {run_id}: lease term {term} was taken while "
                             "this lifecycle claimed it; try again") from None
-        return cls(store, run_id, term, ttl_s, expires_at)
+        return cls(store, run_id, term, ttl_s, expires_at, taken_from)
 
     def renew(self) -> None:
         """Push the expiry out by the lease's lifetime, as a new object; `LeaseLost` if the run was taken."""
@@ -244,6 +294,9 @@ def held_lease(store: ObjectStore, run_id: str, holder: dict[str, str], warn=log
     raising `LeaseLost`. `warn` receives renewal problems as they happen. The thread runs in a copy
     of the caller's context (its Prefect settings and run)."""
     lease = RunLease.acquire(store, run_id, holder, ttl_s)
+    if lease.taken_from:
+        warn("run %s: its lease (%s) was not released, and that process no longer runs on this host: "
+             "taken over without waiting for it to expire", run_id, lease.taken_from)
     stop = threading.Event()
     lost: list[LeaseLost] = []
 
