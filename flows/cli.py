@@ -30,13 +30,15 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
-    """Check that the islands' ranks fit their accelerators and that the stores answer before any work,
-    run the lifecycle, print the result table."""
+    """Check that the islands' ranks fit their accelerators, that the stores answer and that every path the
+    spec names resolves under the data root before any work, run the lifecycle, print the result table."""
+    from training.data.corpora import check_data_paths
     from training.planning.memory import check_fits
 
     try:
         check_fits(spec)
         check_stores_reachable(spec)
+        check_data_paths(spec)
     except (SpecError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -44,6 +46,7 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     from flows.interrupts import exit_status, interruptible
     from flows.lifecycle import run_lifecycle
     from flows.temporary_server import ServerDidNotStart, prefect_api
+    from infra.resumable import what_to_fix
 
     print(f"run {run_id}: store {spec.store.url}", flush=True)
     with interruptible(f"continue with: {resume_command(spec, run_id)}") as received:
@@ -64,8 +67,9 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
         except Exception as err:  # noqa: BLE001 - the user needs the way back in, whatever failed
-            print(f"\nrun {run_id} failed: {type(err).__name__}: {err}\n"
-                  f"completed stages are kept; continue with: {resume_command(spec, run_id)}", file=sys.stderr)
+            print(f"\nrun {run_id} failed: {type(err).__name__}: {err}\n" + (
+                what_to_fix(err) or f"completed stages are kept; continue with: {resume_command(spec, run_id)}"),
+                file=sys.stderr)
             return 1
     if report_path:
         Path(report_path).parent.mkdir(parents=True, exist_ok=True)
@@ -168,11 +172,13 @@ def prepare(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from training.data.corpora import check_data_paths
     from training.data.shards import prepare_dataset
     from training.stages import start_run
 
     run_id = f"prepare-{spec.name}-{secrets.token_hex(8)}"
     try:
+        check_data_paths(spec)
         store = start_run(spec, run_id)
         manifest = prepare_dataset(spec, store)
     except (StoreError, ValueError, OSError, RuntimeError) as err:
@@ -199,6 +205,7 @@ def plan(args: argparse.Namespace) -> int:
     from tasks.planning import plan_markdown, windows_markdown
     from training.planning.windows import WindowsTooShort
     from training.planning.planner import complete_step_seconds, plan_run
+    from training.planning.profile import ProfilingFailed, check_profiling_fits_here, profile_run
 
     given = {}
     for item in args.step_seconds:
@@ -212,6 +219,11 @@ def plan(args: argparse.Namespace) -> int:
     if unknown:
         print(f"error: --step-seconds names island(s) {', '.join(sorted(unknown))} that the spec does not have",
               file=sys.stderr)
+        return 2
+    try:
+        check_profiling_fits_here(spec, given, args.profile_run)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if args.figure and not any(island.windows for island in spec.islands):
         print("error: --figure draws capacity windows, and no island has any (islands[].windows)", file=sys.stderr)
@@ -232,9 +244,11 @@ def plan(args: argparse.Namespace) -> int:
         return 2
     overheads = {}
     if args.profile_run:
-        from training.planning.profile import profile_run
-
-        profile = profile_run(spec)
+        try:
+            profile = profile_run(spec)
+        except (SpecError, ProfilingFailed) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         step_seconds, ready_s = {**profile.step_seconds, **given}, profile.startup_s
         overheads = {"round_overhead_s": profile.round_overhead_s, "teardown_s": profile.teardown_s}
         print(f"profiling run of {len(spec.learners)} learners here: {json.dumps(profile.to_json())}")
@@ -247,7 +261,11 @@ def plan(args: argparse.Namespace) -> int:
             print(f"island {island}: a checkpoint adds {profile.checkpoint_s[island]:.2f} s to the rounds it reaches, "
                   f"every {spec.training.checkpoint_every} rounds ({parts['checkpoint']:.4f} s a round)")
     else:
-        step_seconds, ready_s = complete_step_seconds(spec, given)
+        try:
+            step_seconds, ready_s = complete_step_seconds(spec, given)
+        except (SpecError, ProfilingFailed) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
         for island in spec.islands:
             if island.name not in given:
                 print(f"island {island.name}: {step_seconds[island.name]:.4f} s per inner step, measured here with "
@@ -397,10 +415,15 @@ def tokenizer(args: argparse.Namespace) -> int:
     spec = load_spec_or_say_why(args.config, overrides=args.overrides)
     if spec is None:
         return 2
-    from training.data.corpora import data_root
+    from training.data.corpora import DataError, check_data_paths, data_root
     from training.data.tokenizer import train_tokenizer
 
-    root, out = data_root(spec), Path(args.out).resolve()
+    try:
+        root, out = data_root(spec), Path(args.out).resolve()
+        check_data_paths(spec, tokenizer=False)  # the spec's tokenizer may be the file this makes
+    except DataError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not out.is_relative_to(root):
         print(f"error: --out {out} is not under the data root {root}, where data preparation reads it",
               file=sys.stderr)
