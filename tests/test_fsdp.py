@@ -151,6 +151,10 @@ def test_an_fsdp_learner_trains_as_one_process_does_and_shares_its_checkpoints(t
         assert ours[name].shape == theirs[name].shape
         assert torch.allclose(ours[name], theirs[name], atol=TOLERANCE, rtol=0), name
     assert not torch.allclose(weights[2], weights[0], atol=1e-3)
+    # Its per-step gradient norms (the trackers' grad_norm) are the whole model's, not rank 0's shards'.
+    norms = [[norm for entry in store.read_committed(layout.checkpoint(0, 1))[1]["traffic"]["rounds"]
+              for norm in entry["steps"]["grad_norm"]] for store in (sharded_store, single_store)]
+    assert len(norms[0]) == 2 * single.islands[0].inner_steps and norms[0] == pytest.approx(norms[1], rel=1e-4)
 
     # The fsdp learner's checkpoint resumes on one process: its weights exactly, and it continues as
     # the one-process learner did, which it can only with the inner moments restored.
