@@ -1,13 +1,19 @@
 # The image an island's segments run in on Kubernetes (islands[].pool.image; docs/clusters.md): the
-# project and its Kubernetes extra installed, run as a non-root user. Its code is what the image holds:
-# a segment's Job runs the worker's engine command, which loads `flows.deployments.segment` from here.
-#   docker build -t REGISTRY/archipelago:TAG .                       # CPU torch
-#   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 -t REGISTRY/archipelago:TAG-cuda .
+# project with its Kubernetes and tracker extras installed, run as a non-root user. Its code is what the
+# image holds: a segment's Job runs the worker's engine command, which loads `flows.deployments.segment`
+# from here. torch is a CUDA build by default (its wheel brings the CUDA runtime; the node's NVIDIA
+# driver must support that CUDA version), or the CPU build:
+#   docker build -t REGISTRY/archipelago:VERSION .                                   # torch for CUDA 12.8
+#   docker build --build-arg TORCH_VARIANT=cuXYZ -t REGISTRY/archipelago:VERSION-cuXYZ .   # another CUDA build
+#   docker build --build-arg TORCH_VARIANT=cpu -t REGISTRY/archipelago:VERSION-cpu .  # CPU islands only
 FROM python:3.11-slim
 
-# Where torch's wheel comes from: its CPU build by default, a CUDA build from that CUDA version's index.
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false
+# Which torch build: a CUDA version's as the PyTorch index names it (cu128, ...) or cpu; its wheels
+# come from that build's index (TORCH_INDEX_URL, for a mirror).
+ARG TORCH_VARIANT=cu128
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    ARCHIPELAGO_TORCH_VARIANT=${TORCH_VARIANT} NVIDIA_VISIBLE_DEVICES=all NVIDIA_DRIVER_CAPABILITIES=compute,utility
 
 WORKDIR /opt/archipelago
 COPY pyproject.toml README.md ./
@@ -20,7 +26,8 @@ COPY tasks tasks
 COPY training training
 COPY eval eval
 COPY infra infra
-RUN python -m pip install ".[kubernetes]" && rm -rf /opt/archipelago
+# The experiment trackers' extras too: a spec's tracking.backend works on its islands' workers (docs/tracking.md).
+RUN python -m pip install ".[kubernetes,tensorboard,mlflow,wandb]" && rm -rf /opt/archipelago
 
 # A numeric user, so that Kubernetes can check runAsNonRoot (the pool's pods require it).
 RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin archipelago

@@ -223,16 +223,18 @@ def test_a_learner_told_srun_started_it_runs_only_under_slurmstepd(tmp_path):
     assert started.stdout.strip().startswith(("Linux", "linux"))
 
 
-def test_the_dockerfile_installs_the_project_with_its_kubernetes_extra_as_a_non_root_user():
+def test_the_dockerfile_installs_the_project_with_cuda_torch_and_its_extras_as_a_non_root_user():
     """What can be checked without a Docker daemon or registry: the instructions, the torch it pins
-    (the same command the build runs, run here) and that the image gets every package pyproject.toml ships."""
+    (the same command the build runs, run here; a CUDA build unless TORCH_VARIANT says cpu), that the image
+    gets every package pyproject.toml ships and every extra but the tests'."""
     import shlex
     import tomllib
 
     text = (REPO / "Dockerfile").read_text().replace("\\\n", "")
     instructions = [line.split(maxsplit=1) for line in text.splitlines() if line.strip() and not line.startswith("#")]
     assert instructions[0] == ["FROM", "python:3.11-slim"]
-    assert ["ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"] in instructions
+    assert ["ARG", "TORCH_VARIANT=cu128"] in instructions
+    assert ["ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}"] in instructions
     runs = [rest for keyword, rest in instructions if keyword == "RUN"]
     (torch_run,) = [run for run in runs if "$TORCH_INDEX_URL" in run]
     with_python = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}  # `python`, as in the image
@@ -240,7 +242,8 @@ def test_the_dockerfile_installs_the_project_with_its_kubernetes_extra_as_a_non_
                             env=with_python, capture_output=True, text=True, check=True).stdout.strip()
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pinned.startswith("torch==") and pinned in pyproject["project"]["dependencies"]
-    assert any('pip install ".[kubernetes]"' in run for run in runs)
+    (extras,) = [run.split('pip install ".[', 1)[1].split("]")[0] for run in runs if 'pip install ".[' in run]
+    assert set(extras.split(",")) == set(pyproject["project"]["optional-dependencies"]) - {"test"}
     copied = {shlex.split(rest)[0] for keyword, rest in instructions if keyword == "COPY"}
     packages = {pattern.rstrip("*") for pattern in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert packages <= copied
