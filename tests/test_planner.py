@@ -345,3 +345,19 @@ def test_a_profiling_process_that_dies_ends_the_measurement_at_once():
         measure_step_seconds(spec_of(), steps=100_000)  # its 4 learners would step for hours
     killer.join()
     assert multiprocessing.active_children() == []  # the others were ended with it
+
+
+@pytest.mark.integration  # the run's own learners, as processes
+def test_a_learner_that_dies_ends_the_profiling_run_at_once(tmp_path):
+    """Its partner would otherwise wait out partner_timeout_s for its message."""
+    from training.planning.profile import ProfilingFailed, profile_run
+
+    spec = parse_spec({
+        "islands": [{"name": name, "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2}
+                    for name in ("east", "west")],
+        "model": {"layers": 1, "width": 16, "heads": 2},
+        "data": {"corpora": [{"name": "code", "source": "python_stdlib", "max_documents": 40}]},
+        "sync": {"mode": "butterfly", "rounds": 50, "partner_timeout_s": 3600},
+        "faults": [{"kind": "kill_learner", "learner": 0, "round": 1}]})
+    with pytest.raises(ProfilingFailed, match=r"^profiling run: learner 0 failed \(killed by signal 9\)"):
+        profile_run(spec)
