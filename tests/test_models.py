@@ -197,3 +197,20 @@ def test_the_z_loss_adds_the_mean_squared_log_partition_and_pulls_it_towards_zer
 def test_qk_norm_and_z_loss_belong_to_the_byte_gpt():
     with pytest.raises(SpecError, match="qk_norm and z_loss_weight are settings of byte_gpt"):
         spec_with({**MODELS["llama"], "qk_norm": True})
+
+
+def test_plan_refuses_a_qwen2_moe_spec_whose_heads_do_not_divide_its_width_as_it_loads(tmp_path, capsys):
+    import yaml
+
+    from flows.cli import main
+
+    config = tmp_path / "qwen.yaml"
+    model = {"kind": "transformers", "transformers": {"architecture": "Qwen2MoeForCausalLM", "config": {
+        **QWEN2_MOE, "hidden_size": 100, "num_attention_heads": 12, "num_key_value_heads": 4}}}
+    config.write_text(yaml.safe_dump({**spec_with(MODELS["qwen2_moe"]).model_dump(mode="json"), "model": model}))
+    for command in (["plan", str(config)], ["run", str(config)]):
+        assert main(command) == 2
+        out, err = capsys.readouterr()
+        assert not out and err == ("error: invalid run spec: model.transformers: Value error, "
+                                   "config.num_attention_heads: 12 does not divide hidden_size 100 "
+                                   "(a head's width would be 8.333)\n")
