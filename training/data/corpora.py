@@ -299,7 +299,7 @@ def check_data_paths(spec, tokenizer: bool = True) -> None:
     run's start will: each `files` corpus's patterns, `data.tokenizer`'s file and its vocabulary's size
     (unless `tokenizer` is False: `archipelago tokenizer train` makes that file), and `model.init_from`'s
     folder. Raises DataError naming the field."""
-    from training.data.shards import load_tokenizer
+    from training.data.shards import load_tokenizer  # which imports this module
 
     corpora = [corpus for corpus in spec.data.corpora if corpus.source == "files"]
     tokenizer = tokenizer and spec.data.tokenizer is not None
