@@ -29,16 +29,50 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
-def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
-    """Check that the islands' ranks fit their accelerators, that the stores answer and that every path the
-    spec names resolves under the data root before any work, run the lifecycle, print the result table."""
+def preflight(spec: RunSpec) -> dict:
+    """What a run is checked for before any work: its memory plan, per rank and per host (refused with
+    the plan's figures and what would fit), that its stores answer, and that every path it names
+    resolves under the data root. Returns the memory plan."""
     from training.data.corpora import check_data_paths
-    from training.planning.memory import check_fits
+    from training.planning.fit import check_fits
+
+    memory = check_fits(spec)
+    check_stores_reachable(spec)
+    check_data_paths(spec)
+    return memory
+
+
+def dry_run(spec: RunSpec) -> int:
+    """`run --dry-run`: the `preflight` checks, then the model built on the meta device (its shapes, no
+    memory) against the spec and the memory plan; prints what would run, and stops before Prefect or
+    any training."""
+    from tasks.planning import memory_markdown
+    from training.planning.preflight import check_model_on_meta
 
     try:
-        check_fits(spec)
-        check_stores_reachable(spec)
-        check_data_paths(spec)
+        memory = preflight(spec)
+        model = check_model_on_meta(spec, memory["parameters"])
+    except (SpecError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(memory_markdown(memory) + "\n")
+    print(f"run {spec.name}: model {spec.model.describe()}, {model['parameters']:,} parameters in "
+          f"{model['blocks']} blocks (built on the meta device), {spec.sync.rounds} rounds of {spec.sync.mode}; "
+          f"store {spec.store.url}")
+    for island in spec.islands:
+        options = [name for name in ("fsdp_mixed_precision", "activation_checkpointing") if getattr(island, name)]
+        print(f"island {island.name}: {island.learners} learners of {island.processes_per_learner} {island.device} "
+              f"processes on {island.nodes_per_learner} node(s), {island.parallelism}, {island.precision}"
+              + (f", {', '.join(options)}" if options else "") + f"; {island.batch_size} sequences of "
+              f"{island.seq_len} per step, {island.inner_steps} inner steps a round")
+    print("dry run: every check passed; nothing was started")
+    return 0
+
+
+def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
+    """Check the run (`preflight`) before any work, run the lifecycle, print the result table."""
+    try:
+        preflight(spec)
     except (SpecError, StoreError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -129,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if any(island.windows for island in spec.islands):
         print("note: capacity windows are kept by runs started from the `lifecycle` deployment "
               "(archipelago serve); `run` trains every island now", file=sys.stderr)
+    if args.dry_run:
+        return dry_run(spec)
     from training.stages import new_run_id
 
     return _launch(spec, new_run_id(spec), args.report)
@@ -229,17 +265,20 @@ def plan(args: argparse.Namespace) -> int:
         print("error: --figure draws capacity windows, and no island has any (islands[].windows)", file=sys.stderr)
         return 2
     try:
-        spec = with_device_memory(spec, args.device_memory_gb)
+        spec = with_memory(with_memory(spec, "device_memory_gb", args.device_memory_gb), "host_memory_gb",
+                           args.host_memory_gb)
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from tasks.planning import memory_markdown
-    from training.planning.memory import memory_plan, refusals
+    from training.planning.fit import memory_plan, refusals
 
     memory = memory_plan(spec)
     print(memory_markdown(memory) + "\n")
     problems = refusals(spec, memory)
     if problems:
+        if args.json:
+            Path(args.json).write_text(json.dumps({"memory": memory, "refused": problems}, indent=2) + "\n")
         print("\n".join(f"error: {problem}" for problem in problems), file=sys.stderr)
         return 2
     overheads = {}
@@ -289,9 +328,11 @@ def plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def with_device_memory(spec: RunSpec, overrides: list[str]) -> RunSpec:
-    """The spec with `--device-memory-gb` applied: GB for every island, or ISLAND=GB for one."""
-    memory = {island.name: island.device_memory_gb for island in spec.islands}
+def with_memory(spec: RunSpec, field: str, overrides: list[str]) -> RunSpec:
+    """The spec with `--device-memory-gb` or `--host-memory-gb` (islands[].`field`) applied: GB for every
+    island, or ISLAND=GB for one."""
+    flag = "--" + field.replace("_", "-")
+    memory = {island.name: getattr(island, field) for island in spec.islands}
     for item in overrides:
         name, _, value = item.rpartition("=")
         try:
@@ -299,11 +340,11 @@ def with_device_memory(spec: RunSpec, overrides: list[str]) -> RunSpec:
         except ValueError:
             gigabytes = 0.0
         if not 0 < gigabytes < float("inf"):
-            raise SpecError(f"--device-memory-gb {item!r}: expected GB or ISLAND=GB, GB a number above 0")
+            raise SpecError(f"{flag} {item!r}: expected GB or ISLAND=GB, GB a number above 0")
         if name and name not in memory:
-            raise SpecError(f"--device-memory-gb {item!r}: the spec has no island {name}")
+            raise SpecError(f"{flag} {item!r}: the spec has no island {name}")
         memory.update({name: gigabytes} if name else dict.fromkeys(memory, gigabytes))
-    return spec.model_copy(update={"islands": [island.model_copy(update={"device_memory_gb": memory[island.name]})
+    return spec.model_copy(update={"islands": [island.model_copy(update={field: memory[island.name]})
                                                for island in spec.islands]})
 
 
@@ -506,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = commands.add_parser("run", parents=[spec_options], help="run the whole lifecycle of a run spec")
     run_parser.add_argument("config", help="run spec YAML")
     run_parser.add_argument("--report", help="write the report JSON here")
+    run_parser.add_argument("--dry-run", action="store_true",
+                            help="check everything a run is checked for (the spec, its memory per rank and per host, "
+                                 "its stores, its data paths), build its model on the meta device, print what would "
+                                 "run and stop")
     run_parser.set_defaults(handler=run)
     resume_parser = commands.add_parser("resume", parents=[spec_options], help="continue an interrupted or failed run")
     resume_parser.add_argument("run_id")
@@ -536,6 +581,9 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--device-memory-gb", action="append", default=[], metavar="[ISLAND=]GB",
                              help="check the islands' ranks against accelerators of this memory (all islands, "
                                   "or one), in place of islands[].device_memory_gb")
+    plan_parser.add_argument("--host-memory-gb", action="append", default=[], metavar="[ISLAND=]GB",
+                             help="check the islands' learners against hosts of this memory (all islands, or one), "
+                                  "in place of islands[].host_memory_gb")
     plan_parser.add_argument("--json", help="write the plan as JSON here")
     plan_parser.add_argument("--figure", metavar="PATH",
                              help="write the timeline of the islands' capacity windows here (PNG)")

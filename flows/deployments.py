@@ -74,9 +74,9 @@ def plan(spec: RunSpec, link_gbps: float = 25.0, step_seconds: dict[str, float] 
     utilisation, bytes, wall time, and the link each utilisation goal needs (artifact `plan`); with
     capacity windows, the rounds each window holds and the waits on other islands (`plan-windows`,
     `plan-timeline`). Islands missing from `step_seconds` are profiled on the worker that runs this flow.
-    First, each island's memory per rank (`plan-memory`): a run whose ranks would not fit is refused."""
+    First, each island's memory per rank and per host (`plan-memory`): a run that would not fit is refused."""
     from tasks.planning import publish_memory, publish_plan
-    from training.planning.memory import refuse_unfit
+    from training.planning.fit import refuse_unfit
     from training.planning.planner import complete_step_seconds
 
     refuse_unfit(spec, publish_memory(spec, "plan-memory"))

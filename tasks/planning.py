@@ -11,7 +11,9 @@ from prefect.artifacts import create_image_artifact, create_markdown_artifact
 from eval.figures import data_url, windows_timeline
 from infra.spec import RunSpec
 from training.learner.ledger import LearnerSummary
-from training.planning.memory import gigabytes, memory_plan, refuse_unfit, sequences
+from training.planning.fit import memory_plan, refuse_unfit
+from training.planning.host_memory import HERE
+from training.planning.memory import gigabytes, sequences
 from training.planning.windows import WindowsTooShort, rounds_text, without_windows
 from training.planning.planner import plan_run
 
@@ -48,9 +50,14 @@ RESIDENT = ("weights", "gradients", "inner optimizer")
 FORWARD_BACKWARD = ("activations", "gathered layers", "bf16 weight copies")
 
 
+HOST_PARTS = ("ranks on cpu", "exchange state", "other ranks' exchange state", "checkpoint staging",
+              "exchange in flight")
+
+
 def memory_markdown(memory: dict) -> str:
-    """A memory plan (`training.planning.memory.memory_plan`) as Markdown: per island, a rank's device
-    memory by part and whether it fits; what the other parallelism would need; the host's share."""
+    """A memory plan (`training.planning.fit.memory_plan`) as Markdown: per island, a rank's device
+    memory by part and whether it fits, and what the other parallelism would need; per island, its
+    learners' host memory by part, and whether each host fits."""
     lines = ["**Memory per rank, GB (10^9 bytes): what stays, plus the largest of what comes and goes "
              "(forward and backward, the optimizer step, applying an exchange)**", "",
              "| island | parallelism | processes | sequences per rank | " + " | ".join(RESIDENT + FORWARD_BACKWARD)
@@ -59,7 +66,7 @@ def memory_markdown(memory: dict) -> str:
     for name, island in memory["islands"].items():
         rank = island["rank"]
         passes = rank["transient"]["forward and backward"]
-        cells = [name, rank["parallelism"], str(rank["processes"]), str(rank["rows"]),
+        cells = [name, ", ".join([rank["parallelism"], *rank["options"]]), str(rank["processes"]), str(rank["rows"]),
                  *(gigabytes(rank["resident"][part]) for part in RESIDENT),
                  *(gigabytes(passes[part]) if part in passes else "-" for part in FORWARD_BACKWARD),
                  *(gigabytes(sum(rank["transient"][phase].values())) if phase in rank["transient"] else "-"
@@ -77,12 +84,26 @@ def memory_markdown(memory: dict) -> str:
                         f"learner ({sequences(fewest['rows'])} per rank, {gigabytes(fewest['peak_bytes'])} GB)")
                      + (f"; to fit, {island['to_fit']}" if island["to_fit"] else "")
                      + ("" if island["activations_estimated"] else "; activations not estimated for this model kind"))
-    host = dict(memory["host_bytes"])
-    staging = host.pop("checkpoint staging")
-    lines += ["", *notes, "",
-              f"The exchange's state on the host of each learner's rank 0 (not checked): {gigabytes(sum(host.values()))} "
-              "GB (" + ", ".join(f"{part} {gigabytes(nbytes)}" for part, nbytes in host.items() if nbytes)
-              + f"), and {gigabytes(staging)} GB more while a checkpoint is staged."]
+    host = memory["host"]
+    lines += ["", *notes, "", "**Memory per host, GB: the host of a learner's rank 0 (an island's host_memory_gb), "
+              "or this host, which the learners of every island without one share; what stays, plus a checkpoint "
+              "staged while an exchange is in flight**", "",
+              "| island | host | ranks there | " + " | ".join(HOST_PARTS) + " | per learner | host memory | fits |",
+              "|" + "---|" * 11]
+    for name, island in host["islands"].items():
+        where = host["hosts"][island["host"]]
+        lines.append("| " + " | ".join([name, island["host"], str(island["ranks"]),
+                                        *(gigabytes(island["parts"][part]) for part in HOST_PARTS),
+                                        gigabytes(sum(island["parts"].values())),
+                                        gigabytes(where["memory_bytes"]), "yes" if where["fits"] else "no"]) + " |")
+    state = host["exchange_state"]
+    lines += ["", f"The exchange's state on each rank of a learner there: {gigabytes(sum(state.values()))} GB ("
+              + ", ".join(f"{part} {gigabytes(nbytes)}" for part, nbytes in state.items() if nbytes) + ")."]
+    for name, where in host["hosts"].items():
+        learners = (f"this host: the {where['learners']} learners of {', '.join(where['islands'])} need" if name == HERE
+                    else f"{name}: a learner's host needs")
+        lines.append(f"- {learners} {gigabytes(where['need_bytes'])} GB of {gigabytes(where['memory_bytes'])} GB"
+                     + (f"; to fit, {where['to_fit']}" if where["to_fit"] else ""))
     return "\n".join(lines)
 
 
@@ -94,11 +115,10 @@ def publish_memory(spec: RunSpec, key: str) -> dict:
 
 
 def check_memory(spec: RunSpec) -> None:
-    """Before any training: refuse a run whose islands set device_memory_gb and would not fit it
-    (`training.planning.memory.MemoryRefused`, naming each island and what would fit), with the memory
-    plan as artifact `memory`."""
-    if any(island.device_memory_gb is not None for island in spec.islands):
-        refuse_unfit(spec, publish_memory(spec, "memory"))
+    """Before any training: refuse a run whose ranks would not fit the accelerators of islands that set
+    device_memory_gb, or whose learners would not fit their hosts (`training.planning.memory.MemoryRefused`,
+    naming each island or host and what would fit), with the memory plan as artifact `memory`."""
+    refuse_unfit(spec, publish_memory(spec, "memory"))
 
 
 def windows_table(rows: list[dict]) -> str:

@@ -1,7 +1,8 @@
 """A learner sharded with FSDP2 (`islands[].parallelism: fsdp`) over real gloo processes: it trains as a
 one-process learner does on the same rows, its checkpoints are the canonical whole-model layout that
 a one-process learner resumes from (and it resumes from theirs), sparse MoEs train sharded as they do
-data-parallel, and an fsdp island trains with a data-parallel one through `archipelago run`."""
+data-parallel, and an fsdp island (in bf16, with its memory options) trains with a data-parallel one through
+`archipelago run`."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.test_models import MODELS, spec_with
 from training.data.shards import prepare_dataset
 from training.learner.loop import Learner
 from training.model.gpt import ByteGPT, GPTConfig
-from training.model.inner import inner_optimizer, optimizer_step
+from training.model.inner import forward_precision, inner_optimizer, optimizer_step
 from training.model.parallel import LearnerParallelism
 from training.model.registry import build_model
 from training.model.params import flat_parameters
@@ -74,6 +75,7 @@ def sharded_rank(rank: int, port: int, spec, store_url: str, phases: list[tuple[
                             timeout=timedelta(seconds=60))
     try:
         sparse_models_train_sharded_as_data_parallel(rank)
+        memory_options_change_how_it_computes_not_what_it_learns(rank)
         for run_id, rounds in phases:
             learner = Learner(spec, ObjectStore(store_url).child(f"runs/{run_id}"), 0, rank, 2)
             parameters = list(learner.model.parameters())
@@ -117,13 +119,70 @@ def sparse_models_train_sharded_as_data_parallel(rank: int) -> None:
             assert torch.allclose(trained[0], trained[1], atol=1e-6, rtol=0), float((trained[0] - trained[1]).abs().max())
 
 
+def memory_options_change_how_it_computes_not_what_it_learns(rank: int) -> None:
+    """Sharded, under bf16 autocast: FSDP2's mixed precision gathers each block's weights in bf16 while the
+    shards, their gradients and the inner optimizer stay fp32; activation checkpointing, with or without
+    it, gives the very losses and weights of keeping the activations."""
+    windows = torch.randint(0, BYTE_VOCAB, (2, 17), generator=torch.Generator().manual_seed(rank))
+    trained = {}
+    for mixed, checkpointed in [(False, False), (False, True), (True, False), (True, True)]:
+        torch.manual_seed(0)
+        model = ByteGPT(GPTConfig(layers=2, width=16, heads=2, max_seq_len=16))
+        parallel = LearnerParallelism("fsdp", rank, 2, torch.device("cpu"), mixed, checkpointed)
+        parallel.place(model)
+        computed_in = set()
+        model.blocks[0].register_forward_pre_hook(lambda block, _: computed_in.add(next(block.parameters()).dtype))
+        optimizer = inner_optimizer(model.parameters(), 1e-2, 0.1)
+        losses = []
+        for _ in range(2):
+            optimizer.zero_grad(set_to_none=False)
+            with forward_precision(torch.device("cpu"), "bf16"):
+                loss = model.loss(windows[:, :-1], windows[:, 1:])
+            loss.backward()
+            optimizer_step(model, optimizer, 1e-2)
+            losses.append(loss.item())
+        kept = {p.dtype for p in model.parameters()} | {p.grad.dtype for p in model.parameters()} | \
+            {state["exp_avg"].dtype for state in optimizer.state.values()}
+        assert computed_in == {torch.bfloat16 if mixed else torch.float32} and kept == {torch.float32}
+        trained[mixed, checkpointed] = losses, parallel.gather(list(model.parameters()))
+    if rank == 0:
+        for mixed in (False, True):
+            assert trained[mixed, True][0] == trained[mixed, False][0]
+            assert torch.equal(trained[mixed, True][1], trained[mixed, False][1])
+        assert trained[True, False][0] != trained[False, False][0]  # bf16 weights: another computation
+        assert trained[True, False][0] == pytest.approx(trained[False, False][0], abs=1e-2)
+
+
+BYTE_MODELS = {"byte_gpt": {"layers": 2, "width": 16, "heads": 2},
+               "byte_moe": {"layers": 2, "width": 16, "heads": 2, "moe": {"experts": 4, "top_k": 2}}}
+
+
+@pytest.mark.parametrize("model", [*BYTE_MODELS, *MODELS])
+def test_activation_checkpointing_gives_the_gradients_of_keeping_the_activations(model):
+    """Every model kind's blocks recompute in backward exactly what they would have kept (transformers'
+    decoder layers, called with keyword arguments, included); a one-process learner checkpoints too."""
+    spec = spec_with({**BYTE_MODELS, **MODELS}[model])
+    windows = torch.randint(0, spec.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        built = build_model(spec)
+        LearnerParallelism("data_parallel", 0, 1, torch.device("cpu"), activation_checkpointing=checkpointed).place(built)
+        loss = built.loss(windows[:, :-1], windows[:, 1:])
+        loss.backward()
+        results.append((loss.item(), torch.cat([p.grad.reshape(-1) for p in built.parameters() if p.grad is not None])))
+    assert results[1][0] == results[0][0] and torch.equal(results[1][1], results[0][1])
+
+
 def checkpoint(store: ObjectStore, t: int) -> dict[str, torch.Tensor]:
     return store.read_committed(layout.checkpoint(0, t))[0]
 
 
 def test_an_fsdp_learner_trains_as_one_process_does_and_shares_its_checkpoints(tmp_path):
     single, single_store = prepared(one_learner_spec(tmp_path), "single")
-    sharded, sharded_store = prepared(one_learner_spec(tmp_path, processes_per_learner=2, parallelism="fsdp"), "sharded")
+    # The sharded learner recomputes its blocks' activations in backward: the same learning, to float rounding.
+    sharded, sharded_store = prepared(one_learner_spec(tmp_path, processes_per_learner=2, parallelism="fsdp",
+                                                       activation_checkpointing=True), "sharded")
     # One process, rounds 0 and 1; a copy of the run as it stands then; round 2.
     reference = Learner(single, single_store, 0)
     reference.resume()
@@ -176,7 +235,8 @@ def test_an_fsdp_island_and_a_data_parallel_island_train_together(tmp_path, pref
     config.write_text(yaml.safe_dump({
         "name": "mixed",
         "islands": [{"name": "sharded", "learners": 1, "batch_size": 4, "seq_len": 16, "inner_steps": 3,
-                     "processes_per_learner": 2, "parallelism": "fsdp"},
+                     "processes_per_learner": 2, "parallelism": "fsdp", "precision": "bf16",
+                     "fsdp_mixed_precision": True, "activation_checkpointing": True},
                     {"name": "replicated", "learners": 1, "batch_size": 4, "seq_len": 16, "inner_steps": 2,
                      "processes_per_learner": 2, "parallelism": "data_parallel"}],
         "model": {"layers": 2, "width": 16, "heads": 2},

@@ -18,7 +18,8 @@ from training.exchange.transport import Transport
 from training.learner.ledger import read_summaries
 from training.model.params import flat_parameters
 from training.model.registry import build_model
-from training.planning.memory import host_bytes, model_sizes
+from training.planning.host_memory import checkpoint_staging, exchange_state
+from training.planning.memory import model_sizes
 from training.planning.planner import fragment_sizes, message_bytes, plan_run, replay
 from training.stages import train_learners
 
@@ -266,10 +267,11 @@ def test_the_spec_takes_inter_island_every_and_refuses_a_fragment_too_small_to_s
 
 def test_the_memory_plan_counts_the_crossing_s_residual(tmp_path):
     spec = spec_of(tmp_path, compression="int4")
-    host = host_bytes(spec, model_sizes(spec))
+    sizes = model_sizes(spec)
     vector = 4 * sum(fragment_sizes(spec))
-    assert host["error-feedback residual"] == vector  # the crossing's anchor; a round's message goes exact
-    assert host["checkpoint staging"] == 3 * vector + vector
+    # The crossing's anchor; a round's message goes exact.
+    assert exchange_state(spec, sizes)["error-feedback residual"] == vector
+    assert checkpoint_staging(spec, sizes) == 3 * vector + vector
 
 
 def test_a_restarted_learner_continues_exactly(two_learner_run):

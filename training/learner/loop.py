@@ -58,7 +58,9 @@ class Learner:
         self.slot: LearnerSlot = spec.learners[index]
         self.device = torch.device(self.slot.island.device if self.slot.island.device == "cpu"
                                    else f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}")
-        self.parallel = LearnerParallelism(self.slot.island.parallelism, rank, world, self.device)
+        island = self.slot.island
+        self.parallel = LearnerParallelism(island.parallelism, rank, world, self.device, island.fsdp_mixed_precision,
+                                           island.activation_checkpointing)
         self.model = initial_model(spec, self.stores.run)
         initial = flat_parameters(self.model)
         self.parallel.place(self.model)

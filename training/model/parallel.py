@@ -7,7 +7,14 @@ rest of the model over a one-dimensional device mesh of the learner's processes;
 gradients and the inner AdamW's moments are DTensors of which a process holds one shard, and
 backward reduce-scatters (averages) the gradients itself.
 
-Exchanges, checkpoints and the planner see neither: what leaves the model is gathered into full
+Two island options change how the model computes, not what it holds canonically:
+`fsdp_mixed_precision` gives FSDP2 a `MixedPrecisionPolicy` that gathers each layer's parameters in
+bf16 and reduce-scatters gradients in fp32 (the fp32 shards stay the weights the optimizer steps);
+`activation_checkpointing` makes each transformer block keep only its input through the forward
+pass and recompute its activations in backward (torch's composable `checkpoint`, which keeps the
+parameters' names), under either parallelism.
+
+Exchanges, checkpoints and the planner see neither kind of sharding: what leaves the model is gathered into full
 tensors on rank 0 (`gather`, `full_copy`), and what enters it is split into every rank's shards
 (`scatter` from rank 0's vector, `load` from a vector every rank holds). So islands of different
 parallelism train together, and a checkpoint written under one resumes under the other.
@@ -20,7 +27,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from training.model.inner import average_gradients
@@ -41,25 +49,34 @@ def transformer_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class LearnerParallelism:
     """One process's part of its learner: rank `rank` of `world`, on `device`. With one process
-    both kinds are the plain model."""
+    both kinds are the plain model. `mixed_precision` (islands[].fsdp_mixed_precision) takes effect
+    where FSDP2 shards; `activation_checkpointing` (islands[].activation_checkpointing) everywhere."""
 
-    def __init__(self, parallelism: str, rank: int, world: int, device: torch.device):
+    def __init__(self, parallelism: str, rank: int, world: int, device: torch.device,
+                 mixed_precision: bool = False, activation_checkpointing: bool = False):
         self.rank, self.world, self.device = rank, world, device
         self.sharded = parallelism == "fsdp" and world > 1
+        self.mixed_precision = mixed_precision and self.sharded
+        self.activation_checkpointing = activation_checkpointing
 
     def place(self, model: torch.nn.Module) -> None:
         """Put `model` on this process's device: whole, or under fsdp sharded in place, only this
         process's shards moving to the device. Sharded parameters are DTensors: the inner optimizer is
         built after this."""
+        if self.activation_checkpointing:
+            for block in transformer_blocks(model):
+                checkpoint(block)
         if not self.sharded:
             model.to(self.device)
             return
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         mesh = init_device_mesh(self.device.type, (self.world,))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.mixed_precision else MixedPrecisionPolicy()
         for block in transformer_blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         # Training calls `loss`, which may run the model's inner modules without its own `forward`
         # (a transformers model's does): the root's parameters are gathered around it too.
         register_fsdp_forward_method(model, "loss")

@@ -6,10 +6,12 @@ A learner's rank holds, on its device (`rank_memory`):
     processes (FSDP2 shards every parameter over them, `training.model.parallel`);
   * while it steps, the largest of what comes and goes:
       - forward and backward: the activations saved for backward at the rank's share of the batch
-        (`activation_bytes`); with bf16, the bf16 copies of the matrix weights that autocast makes
-        and backward keeps, whole under either parallelism (autocast casts the weights FSDP2 has
-        gathered, and the copies outlive the reshard); under `fsdp`, the layers FSDP2 gathers whole
-        in fp32 (`gathered_layer_bytes`);
+        (`activation_bytes`; with `activation_checkpointing`, each block's input and one block's
+        activations while backward recomputes them); with bf16, the bf16 copies of the matrix weights
+        that autocast makes and keeps until the forward pass ends, whole under either parallelism
+        (autocast casts the weights FSDP2 has gathered, and the copies outlive the reshard), unless
+        `fsdp_mixed_precision` gathers the weights in bf16 themselves; under `fsdp`, the layers FSDP2
+        gathers whole (`gathered_layer_bytes`);
       - the optimizer step: torch's foreach AdamW makes one temporary the size of the rank's
         parameters (the square roots of the second moments);
       - applying an exchange under `data_parallel`: the fragment's new weights, whole, on the device
@@ -17,15 +19,8 @@ A learner's rank holds, on its device (`rank_memory`):
 Peak = resident + the largest of those. Left out: the CUDA context, NCCL's buffers and the
 allocator's fragmentation (together a few GB), so a plan that fits by less than that does not.
 
-The exchange's state lives on the host of the learner's rank 0, as `training.exchange` keeps it
-(`host_bytes`): the run's initial weights (compressed anchors travel as their difference from them),
-every fragment's anchor, the outer optimizer's parameter-shaped copy of them, its state (Nesterov's
-momentum, or Shampoo's momentum, graft and per-block statistics and preconditioners) and the
-snapshot of that state checkpoints are written from, the error-feedback residual of both message
-fields when compression is lossy (in hierarchical mode a crossing's one field, its rounds' messages
-going exact); and while a
-checkpoint is staged, copies of the weights, the anchors, the inner moments and the residual. Host
-memory is reported, not checked.
+Host memory, where the exchange's state lives, is `training.planning.host_memory`'s; the memory plan
+(`training.planning.fit`) holds both, and refuses a run that does not fit either.
 """
 
 from __future__ import annotations
@@ -37,18 +32,12 @@ from functools import cache
 import torch
 
 from infra.model_spec import BUILT_IN
-from infra.spec import IslandSpec, RunSpec, SpecError
-from training.exchange.exchanger import CROSSING, message_codec, residual_fields
+from infra.spec import IslandSpec, RunSpec
 
 GB = 1e9
 FP32 = 4
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2}  # an element of what the forward pass computes in its precision
 INT64 = 8
-
-
-class MemoryRefused(SpecError):
-    """A run whose ranks would not fit their accelerators' memory, or whose fit cannot be checked; names
-    each island, what it needs, what it has and what would make it fit."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +87,7 @@ class RankMemory:
     parallelism: str
     processes: int
     rows: int  # sequences per rank per inner step
+    options: tuple[str, ...]  # the island's memory options in effect (`island_options`)
     resident: dict[str, int]
     transient: dict[str, dict[str, int]]  # phase -> its parts; the phases never overlap
 
@@ -179,14 +169,23 @@ def _outer_state_elements(outer_json: str, shape: tuple[int, ...]) -> int:
     return sum(t.numel() for t in tensors.values())
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, precision: str) -> int:
+def norm_bytes(shape: ModelShape, bf16_parameters: bool) -> int:
+    """Bytes a norm saves per element of the width: its input, in the residual stream's precision (fp32;
+    bf16 under FSDP2's mixed precision), and an RMSNorm in Python its fp32 normalized values as well."""
+    return (ACTIVATION_BYTES["bf16"] if bf16_parameters else FP32) + (shape.norm_saved - 1) * FP32
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, precision: str, bf16_parameters: bool = False) -> int:
     """Bytes one transformer block saves for backward per token (pre-norm attention with fused
     scaled-dot-product attention, then a feed-forward), with p bytes an element of the forward's
     precision (2 for bf16, 4 for fp32) and the names of `ModelShape`:
 
-        2 n 4h                      the two norms' saved tensors: fp32, the residual stream stays fp32
+        2 N h                       the two norms' saved tensors (`norm_bytes`: N = 4 n in fp32 weights'
+                                    residual stream; 2 + 4 (n - 1) with `bf16_parameters`)
       + p (a h + 4h + m h + F)      the attention's inputs, q, k, v and its output, the feed-forward's
-                                    inputs (a = attention_inputs, m = ffn_inputs under bf16; 1 in fp32)
+                                    inputs (a = attention_inputs, m = ffn_inputs under bf16 autocast of
+                                    fp32 weights; 1 in fp32 or with bf16 weights, whose products share
+                                    the norm's bf16 output)
       + 4 (heads + 4)               attention's log-sum-exp per head, the norms' statistics (fp32)
       F = s f                       dense: the feed-forward's s saved tensors of hidden width f
       F = k (r h + s f)             mixture of experts, top-k: each routed copy's gathered input, hidden
@@ -196,11 +195,12 @@ def layer_activation_bytes_per_token(shape: ModelShape, precision: str) -> int:
       + p 3h + 16 heads             QK-LayerNorm: normalized queries and keys, the attention output kept
                                     apart from its projection's input, the norms' statistics
 
-    Fused attention keeps no seq x seq scores (Korthikanti et al.'s 5 a s / h term); k and v count at
-    full width (an overcount under grouped-query attention). Checked against
-    the tensors autograd saves, in tests/test_plan_memory.py."""
+    `bf16_parameters`: FSDP2's mixed precision gathers the weights in bf16, so the residual stream is
+    bf16 and autocast copies nothing. Fused attention keeps no seq x seq scores (Korthikanti et al.'s
+    5 a s / h term); k and v count at full width (an overcount under grouped-query attention). Checked
+    against the tensors autograd saves, in tests/test_plan_memory.py."""
     h, p = shape.width, ACTIVATION_BYTES[precision]
-    copies = (shape.attention_inputs, shape.ffn_inputs) if precision == "bf16" else (1, 1)
+    copies = (shape.attention_inputs, shape.ffn_inputs) if precision == "bf16" and not bf16_parameters else (1, 1)
     ffn, router = shape.ffn_saved * shape.ffn_width, 0
     if shape.experts:
         ffn = shape.top_k * (shape.routed_copies * h + ffn)
@@ -208,30 +208,38 @@ def layer_activation_bytes_per_token(shape: ModelShape, precision: str) -> int:
             ffn += copies[1] * h + shape.ffn_saved * shape.shared_ffn_width
         router = FP32 * shape.experts + 12 * shape.top_k
     qk_norm = p * 3 * h + 4 * FP32 * shape.heads if shape.qk_norm else 0
-    return 2 * shape.norm_saved * FP32 * h + p * (copies[0] * h + 4 * h + copies[1] * h + ffn) \
+    return 2 * norm_bytes(shape, bf16_parameters) * h + p * (copies[0] * h + 4 * h + copies[1] * h + ffn) \
         + FP32 * (shape.heads + 4) + router + qk_norm
 
 
-def head_activation_bytes_per_token(shape: ModelShape, precision: str) -> int:
-    """Bytes saved per token outside the blocks: the final norm's saved tensors (fp32) and output, the
+def head_activation_bytes_per_token(shape: ModelShape, precision: str, bf16_parameters: bool = False) -> int:
+    """Bytes saved per token outside the blocks: the final norm's saved tensors and output, the
     log-softmax over the vocabulary (fp32, as cross-entropy computes it), the input ids and targets;
     with the z-loss, the logits and their log-partition."""
     p = ACTIVATION_BYTES[precision]
-    return shape.width * (shape.norm_saved * FP32 + p) + FP32 * shape.vocab + 2 * INT64 \
+    return shape.width * (norm_bytes(shape, bf16_parameters) + p) + FP32 * shape.vocab + 2 * INT64 \
         + (p * (shape.vocab + 1) if shape.z_loss else 0)
 
 
-def activation_bytes(shape: ModelShape, rows: int, seq_len: int, precision: str) -> int:
-    """Activations one rank keeps between its forward and backward pass: `rows` sequences of `seq_len`."""
+def activation_bytes(shape: ModelShape, rows: int, seq_len: int, precision: str, bf16_parameters: bool = False,
+                     checkpointed: bool = False) -> int:
+    """Activations one rank keeps between its forward and backward pass: `rows` sequences of `seq_len`.
+    `checkpointed` (activation checkpointing): each block keeps its input, in the residual stream's
+    precision, and backward recomputes one block's activations at a time."""
     tokens = rows * seq_len
-    return tokens * (shape.layers * layer_activation_bytes_per_token(shape, precision)
-                     + head_activation_bytes_per_token(shape, precision))
+    layer = layer_activation_bytes_per_token(shape, precision, bf16_parameters)
+    residual = (ACTIVATION_BYTES["bf16"] if bf16_parameters else FP32) * shape.width
+    blocks = shape.layers * residual + layer if checkpointed else shape.layers * layer
+    return tokens * (blocks + head_activation_bytes_per_token(shape, precision, bf16_parameters))
 
 
-def gathered_layer_bytes(sizes: ModelSizes) -> int:
-    """What FSDP2 holds whole for a while, in fp32 (the learner shards fp32 parameters): two layers'
-    weights (the one computing, the next one it prefetches) and one layer's gradient before its
-    reduce-scatter."""
+def gathered_layer_bytes(sizes: ModelSizes, bf16_parameters: bool = False) -> int:
+    """What FSDP2 holds whole for a while: two layers' weights (the one computing, the next one it
+    prefetches) and one layer's gradient before its reduce-scatter; fp32 (the learner shards fp32
+    parameters), or with `bf16_parameters` (mixed precision) the weights and gradient in bf16 and the
+    gradient's fp32 copy that is reduce-scattered."""
+    if bf16_parameters:
+        return sizes.largest_layer * (3 * ACTIVATION_BYTES["bf16"] + FP32)
     return 3 * sizes.largest_layer * FP32
 
 
@@ -241,6 +249,14 @@ def sharded(nbytes: int, processes: int) -> int:
     return -(-nbytes // processes)
 
 
+def island_options(island: IslandSpec, parallelism: str, processes: int) -> tuple[str, ...]:
+    """The island's memory options that take effect under `parallelism` over `processes`: FSDP2's mixed
+    precision only where FSDP2 shards (`training.model.parallel`)."""
+    mixed = island.fsdp_mixed_precision and island.precision == "bf16" and parallelism == "fsdp" and processes > 1
+    return tuple(name for name, on in (("fsdp_mixed_precision", mixed),
+                                       ("activation_checkpointing", island.activation_checkpointing)) if on)
+
+
 def rank_memory(spec: RunSpec, island: IslandSpec, sizes: ModelSizes, shape: ModelShape | None,
                 parallelism: str | None = None, processes: int | None = None) -> RankMemory:
     """The device memory of one rank of `island`'s learners; `parallelism` and `processes` replace the
@@ -248,33 +264,22 @@ def rank_memory(spec: RunSpec, island: IslandSpec, sizes: ModelSizes, shape: Mod
     activations count 0."""
     parallelism = parallelism or island.parallelism
     processes = processes or island.processes_per_learner
+    options = island_options(island, parallelism, processes)
+    bf16_parameters = "fsdp_mixed_precision" in options
     shards = processes if parallelism == "fsdp" else 1
     weights = sharded(FP32 * sizes.parameters, shards)
     rows = island.batch_size // processes
-    forward_backward = {"activations": activation_bytes(shape, rows, island.seq_len, island.precision) if shape else 0}
+    forward_backward = {"activations": activation_bytes(shape, rows, island.seq_len, island.precision, bf16_parameters,
+                                                        "activation_checkpointing" in options) if shape else 0}
     if parallelism == "fsdp":
-        forward_backward["gathered layers"] = gathered_layer_bytes(sizes)
-    if island.precision == "bf16":
+        forward_backward["gathered layers"] = gathered_layer_bytes(sizes, bf16_parameters)
+    if island.precision == "bf16" and not bf16_parameters:
         forward_backward["bf16 weight copies"] = ACTIVATION_BYTES["bf16"] * sizes.matrix_parameters
     transient = {"forward and backward": forward_backward, "optimizer step": {"AdamW temporary": weights}}
     if parallelism == "data_parallel":
         transient["applying an exchange"] = {"fragment weights": FP32 * sizes.largest_fragment}
-    return RankMemory(parallelism, processes, rows,
+    return RankMemory(parallelism, processes, rows, options,
                       {"weights": weights, "gradients": weights, "inner optimizer": 2 * weights}, transient)
-
-
-def host_bytes(spec: RunSpec, sizes: ModelSizes) -> dict[str, int]:
-    """The exchange's state on the host of a learner's rank 0, by part (see the module's docstring)."""
-    vector = FP32 * sizes.parameters
-    transport = spec.sync.transport
-    # Residuals are kept only where feedback is on and the codec drops something (`ErrorFeedback`).
-    lossy = transport.error_feedback and not message_codec(spec, CROSSING).lossless
-    feedback = len(residual_fields(spec)) * vector if lossy else 0
-    anchors_checkpointed = transport.fragments > 1 or transport.tau > 0
-    return {"initial weights": vector, "anchors": vector, "outer parameters": vector,
-            "outer state": FP32 * sizes.outer_state, "outer state snapshot": FP32 * sizes.outer_state,
-            "error-feedback residual": feedback,
-            "checkpoint staging": vector * (3 + anchors_checkpointed) + feedback}
 
 
 def fewest_fsdp_processes(spec: RunSpec, island: IslandSpec, sizes: ModelSizes, shape: ModelShape) -> RankMemory | None:
@@ -298,18 +303,42 @@ def sequences(rows: int) -> str:
     return f"{rows} sequence" + ("s" if rows > 1 else "")
 
 
+def unused_options(island: IslandSpec, parallelism: str, processes: int) -> dict[str, bool]:
+    """The memory options the island leaves off that would take effect under `parallelism` over
+    `processes`, each turned on."""
+    return {name: True for name in island_options(island.model_copy(update={
+        "fsdp_mixed_precision": True, "activation_checkpointing": True}), parallelism, processes)
+        if not getattr(island, name)}
+
+
+def settings(options: dict[str, bool]) -> str:
+    return " and ".join(f"{name}: true" for name in options)
+
+
 def what_would_fit(spec: RunSpec, island: IslandSpec, sizes: ModelSizes, shape: ModelShape) -> str:
-    """What would make `island`'s ranks fit their device memory, as a sentence."""
+    """What would make `island`'s ranks fit their device memory, as a sentence: the smallest change that
+    does, in this order: fsdp over the same processes; the island's memory options at its layout, one
+    at a time (mixed precision first: it costs no compute) and together; more fsdp processes; more fsdp
+    processes with every option."""
     if island.parallelism == "data_parallel":
         fsdp = rank_memory(spec, island, sizes, shape, "fsdp")
         if fsdp.fits(island.device_memory_gb):
             return f"parallelism: fsdp over {fsdp.processes} processes needs {gigabytes(fsdp.peak)} GB per rank"
-    fewest = fewest_fsdp_processes(spec, island, sizes, shape)
-    if fewest is not None:
-        return (f"parallelism: fsdp with at least {fewest.processes} processes per learner "
-                f"({sequences(fewest.rows)} per rank) needs {gigabytes(fewest.peak)} GB per rank")
-    one_row = rank_memory(spec, island, sizes, shape, "fsdp", island.batch_size).peak
-    return (f"even fsdp over {island.batch_size} processes (one sequence per rank) needs {gigabytes(one_row)} "
+    here = unused_options(island, island.parallelism, island.processes_per_learner)
+    for options in [{name: True} for name in here] + ([here] if len(here) > 1 else []):
+        rank = rank_memory(spec, island.model_copy(update=options), sizes, shape)
+        if rank.fits(island.device_memory_gb):
+            return f"{settings(options)} needs {gigabytes(rank.peak)} GB per rank"
+    every = unused_options(island, "fsdp", island.batch_size)
+    for changes in ({}, every) if every else ({},):
+        fewest = fewest_fsdp_processes(spec, island.model_copy(update=changes), sizes, shape)
+        if fewest is not None:
+            return (f"parallelism: fsdp with at least {fewest.processes} processes per learner "
+                    f"({sequences(fewest.rows)} per rank)" + (f" and {settings(changes)}" if changes else "")
+                    + f" needs {gigabytes(fewest.peak)} GB per rank")
+    one_row = rank_memory(spec, island.model_copy(update=every), sizes, shape, "fsdp", island.batch_size).peak
+    return (f"even fsdp over {island.batch_size} processes (one sequence per rank)"
+            + (f" with {settings(every)}" if every else "") + f" needs {gigabytes(one_row)} "
             f"GB per rank: shorten seq_len or use accelerators with more memory")
 
 
@@ -329,44 +358,3 @@ def island_memory(spec: RunSpec, island: IslandSpec, sizes: ModelSizes, shape: M
             "fewest_fsdp_processes": None if fewest is None else
             {"processes": fewest.processes, "rows": fewest.rows, "peak_bytes": fewest.peak},
             "to_fit": None if fits in (None, True) else what_would_fit(spec, island, sizes, shape)}
-
-
-def memory_plan(spec: RunSpec) -> dict:
-    """Memory per rank of every island, and the exchange's host memory per learner."""
-    sizes, shape = model_sizes(spec), model_shape(spec)
-    return {"parameters": sizes.parameters, "active_parameters": sizes.active,
-            "islands": {island.name: island_memory(spec, island, sizes, shape) for island in spec.islands},
-            "host_bytes": host_bytes(spec, sizes)}
-
-
-def refusals(spec: RunSpec, plan: dict) -> list[str]:
-    """Why each island of a memory plan cannot run: it does not fit, or its fit cannot be checked."""
-    problems = []
-    for name, island in plan["islands"].items():
-        if island["device_memory_gb"] is not None and not island["activations_estimated"]:
-            problems.append(f"island {name}: device_memory_gb is set, but the activations of model kind "
-                            f"{spec.model.kind!r} cannot be estimated here (byte_gpt and transformers only); "
-                            "leave device_memory_gb empty")
-        elif island["fits"] is False:
-            rank = island["rank"]
-            problems.append(f"island {name}: {rank['parallelism']} over {rank['processes']} processes needs "
-                            f"{gigabytes(island['peak_bytes'])} GB per rank, its accelerators have "
-                            f"{island['device_memory_gb']:g} GB; {island['to_fit']}")
-    return problems
-
-
-def refuse_unfit(spec: RunSpec, plan: dict) -> None:
-    """Raise MemoryRefused if any island of a memory plan cannot run (`refusals`)."""
-    problems = refusals(spec, plan)
-    if problems:
-        raise MemoryRefused("; ".join(problems))
-
-
-def check_fits(spec: RunSpec) -> dict | None:
-    """Raise MemoryRefused for a run whose islands set `device_memory_gb` and do not fit it; the memory
-    plan when any island was checked, None when none asks to be."""
-    if all(island.device_memory_gb is None for island in spec.islands):
-        return None
-    plan = memory_plan(spec)
-    refuse_unfit(spec, plan)
-    return plan
