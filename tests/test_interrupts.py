@@ -1,8 +1,8 @@
 """Interrupting `archipelago run` mid-islands: SIGINT stops the learners and the temporary Prefect
 server, releases the run's lease and prints the resume command; after a SIGKILL, the kernel ends
-them with the command and `resume` takes the dead holder's lease at once. Either way the printed
-resume finishes the run with the bpb of an uninterrupted one. Real learners (one a torchrun group),
-a real temporary server per command, a local store."""
+them with the command and `resume` takes the dead holder's lease at once. The last resume finishes
+the run with the bpb of one never interrupted. Real learners (one a torchrun group), a real
+temporary server per command, a local store."""
 
 import os
 import re
@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from infra import layout
-from infra.lease import RunLease, newest_term_number, released_key, this_process
+from infra.lease import LeaseHeld, RunLease, newest_term_number, released_key, this_process
 from infra.spec import parse_spec
 from infra.store import ObjectStore
 from tests.corpora import corpus_folder
@@ -125,70 +125,54 @@ def group_of(process: psutil.Process) -> int | None:
         return None
 
 
-def started_mid_islands(spec_file: Path) -> tuple[Command, list[psutil.Process], list[psutil.Process]]:
-    """`archipelago run` once its learners' first round is logged; its temporary server and learners."""
-    command = Command("run", str(spec_file), cwd=spec_file.parent)
-    command.wait_for(r"learner-\d+' - round 1/8")
+def mid_islands(command: Command, round_pattern: str) -> tuple[list[psutil.Process], list[psutil.Process]]:
+    """The command's temporary server and learner processes, once a learner logged a round of `round_pattern`."""
+    command.wait_for(rf"learner-\d+' - round {round_pattern}/8 ")
     processes = command.descendants()
     server = [p for p in processes if "prefect" in p.cmdline() and "server" in p.cmdline()]
     learners = [p for p in processes if "infra.launch" in p.cmdline()]
     assert len(server) == 1 and len(learners) >= 4, [p.cmdline() for p in processes]  # east, west's torchrun and its 2
-    return command, server, learners
+    return server, learners
 
 
-def resumed_bpb(command_line: str, spec_file: Path) -> tuple[str, float]:
-    """Output and held-out bpb of the resume command as printed, run as it is."""
-    run_id = command_line.split()[2]
-    resume = Command(*command_line.split()[1:], cwd=spec_file.parent)
-    assert resume.finish() == 0, resume.output[-3000:]
-    store_url = parse_spec(yaml.safe_load(spec_file.read_text())).store.url
-    report = ObjectStore(store_url).child(f"runs/{run_id}").get_json(layout.REPORT)
-    return resume.output, report["evals"]["text"]["islands_bpb"]
-
-
-def test_sigint_stops_learners_and_server_releases_the_lease_and_the_printed_resume_finishes_the_run(
+def test_sigint_then_sigkill_mid_islands_stop_everything_and_the_resumes_finish_the_run_unchanged(
         spec_file, uninterrupted_bpb):
-    command, server, learners = started_mid_islands(spec_file)
-    command.process.send_signal(signal.SIGINT)
-    interrupted_at = time.monotonic()
+    """One run, interrupted twice: SIGINT while its learners train, then SIGKILL of the resume the
+    SIGINT printed, while its learners train; a last resume finishes it."""
+    store_url = parse_spec(yaml.safe_load(spec_file.read_text())).store.url
 
-    assert command.finish(STOPPED_WITHIN_S) == 130, command.output[-3000:]
+    run = Command("run", str(spec_file), cwd=spec_file.parent)
+    server, learners = mid_islands(run, "1")
+    run.process.send_signal(signal.SIGINT)
+    interrupted_at = time.monotonic()
+    assert run.finish(STOPPED_WITHIN_S) == 130, run.output[-3000:]
     assert gone_within(server + learners, STOPPED_WITHIN_S - (time.monotonic() - interrupted_at)) == []
-    resume = re.search(r"interrupted \(SIGINT\).*continue with: (archipelago resume \S+ --store \S+)$",
-                       command.output, re.M)
-    assert resume, command.output[-3000:]
-    run_id = resume.group(1).split()[2]
-    store = ObjectStore(parse_spec(yaml.safe_load(spec_file.read_text())).store.url).child(f"runs/{run_id}")
+    printed = re.search(r"interrupted \(SIGINT\).*continue with: (archipelago resume (\S+) --store \S+)$",
+                        run.output, re.M)
+    assert printed, run.output[-3000:]
+    resume_command, run_id = printed.groups()
+    store = ObjectStore(store_url).child(f"runs/{run_id}")
     assert store.exists(released_key(newest_term_number(store)))
     assert not store.exists(layout.REPORT)
 
-    _, bpb = resumed_bpb(resume.group(1), spec_file)
-    assert bpb == uninterrupted_bpb
-
-
-def test_after_sigkill_server_and_learners_die_with_it_and_resume_takes_the_dead_holders_lease_at_once(
-        spec_file, uninterrupted_bpb):
-    command, server, learners = started_mid_islands(spec_file)
-    run_id = re.search(r"^run (\S+): store", command.output, re.M).group(1)
-    command.process.kill()
-    command.finish()
-
+    resumed = Command(*resume_command.split()[1:], cwd=spec_file.parent)  # the printed command, as it is
+    server, learners = mid_islands(resumed, "[2-7]")
+    resumed.process.kill()
+    resumed.finish()
     assert gone_within(server + learners, STOPPED_WITHIN_S) == []
-    store_url = parse_spec(yaml.safe_load(spec_file.read_text())).store.url
-    store = ObjectStore(store_url).child(f"runs/{run_id}")
     term = newest_term_number(store)
-    assert not store.exists(released_key(term))  # the lease is live: its holder is dead, not expired
+    assert not store.exists(released_key(term))  # its holder is dead; its lease has not expired
+    assert not store.exists(layout.REPORT)
 
-    output, bpb = resumed_bpb(f"archipelago resume {run_id} --store {store_url}", spec_file)
-    assert f"term {term}, held by" in output and "taken over without waiting" in output
-    assert bpb == uninterrupted_bpb
+    last = Command(*resume_command.split()[1:], cwd=spec_file.parent)
+    assert last.finish() == 0, last.output[-3000:]
+    assert f"term {term}, held by" in last.output and "taken over without waiting" in last.output
+    assert store.get_json(layout.REPORT)["evals"]["text"]["islands_bpb"] == uninterrupted_bpb
 
 
 def test_a_live_holder_or_one_on_another_host_still_holds_the_run(tmp_path):
     """Only a holder provably gone is taken over: a claim naming a pid that runs here (this test's), or
     a dead pid of another host or pid space, still blocks until its lease expires."""
-    from infra.lease import LeaseHeld
-
     store = ObjectStore(str(tmp_path / "store")).child("runs/r")
     dead = subprocess.Popen(["true"])
     dead.wait()
