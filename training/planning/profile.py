@@ -35,7 +35,8 @@ from infra.spec import RunSpec, SpecError, parse_spec, spec_sha256
 from training.exchange.exchanger import first_crossing, mode_period
 from training.learner.ledger import read_summaries
 from training.model.registry import build_model
-from training.planning.memory import gigabytes, host_bytes, model_shape, model_sizes, rank_memory
+from training.planning.host_memory import learner_host, this_host_bytes
+from training.planning.memory import gigabytes, model_shape, model_sizes, rank_memory
 
 # At least four timed rounds give each learner four round lengths (`profile_rounds`).
 PROFILE_ROUNDS = 5
@@ -57,27 +58,27 @@ class ProfilingFailed(RuntimeError):
 
 
 def stepping_bytes(spec: RunSpec) -> int:
-    """What `training.planning.planner.measure_step_seconds` holds here at once: every learner as one
-    process with the whole model, its inner optimizer and one rank's batch (the memory plan's figures)."""
+    """What `measure_step_seconds` holds here at once: every learner as one process with the whole model,
+    its inner optimizer and one rank's batch (the memory plan's figures)."""
     sizes, shape = model_sizes(spec), model_shape(spec)
     return sum(rank_memory(spec, slot.island, sizes, shape, "data_parallel", slot.island.processes_per_learner).peak
                for slot in spec.learners)
 
 
 def profile_run_bytes(spec: RunSpec) -> int:
-    """What `profile_run` holds here at once: every learner's ranks as its island runs them, and the
-    exchange's state on its host (the memory plan's figures)."""
+    """What `profile_run` holds here at once: every learner with all its ranks on this host, as the memory
+    plan counts a learner's host (`learner_host`)."""
     sizes, shape = model_sizes(spec), model_shape(spec)
-    exchange = sum(host_bytes(spec, sizes).values())
-    return sum(slot.island.processes_per_learner * rank_memory(spec, slot.island, sizes, shape).peak + exchange
-               for slot in spec.learners)
+    return sum(island.learners * sum(learner_host(spec, island, sizes, rank_memory(spec, island, sizes, shape).peak,
+                                                  island.processes_per_learner).values())
+               for island in spec.islands)
 
 
 def check_fits_here(spec: RunSpec, needed: int, what: str) -> None:
     """Raise CannotProfileHere, before anything starts, when `needed` bytes (the memory plan's figure for
-    `what`) exceed the memory this machine has available: otherwise its processes would be killed, or
-    swap, on a model meant for other machines."""
-    available = psutil.virtual_memory().available
+    `what`) exceed the memory this machine has available (free now, and within its container's limit):
+    otherwise its processes would be killed, or swap, on a model meant for other machines."""
+    available = min(psutil.virtual_memory().available, this_host_bytes())
     if needed > available:
         flags = " ".join(f"--step-seconds {island.name}=S" for island in spec.islands)
         raise CannotProfileHere(
