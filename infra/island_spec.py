@@ -63,7 +63,7 @@ class IslandSpec(SpecModel):
                     "island's fabric); empty: loopback, which allows one node per learner only.")
     device_memory_gb: float | None = Field(
         None, gt=0, description="Memory of one accelerator, GB: `plan` and `run` refuse a run whose ranks would not "
-                                "fit it (training/planning/memory.py). Empty: not checked.")
+                                "fit it (training/planning/fit.py). Empty: not checked.")
     host_memory_gb: float | None = Field(
         None, gt=0, description="Memory of the host that holds a learner's rank 0, GB: the exchange's state (initial "
                                 "weights, anchors, the outer optimizer's state, error-feedback residuals), staged "

@@ -324,7 +324,7 @@ class RunSpec(SpecModel):
 
     @model_validator(mode="after")
     def _totals_fit(self, info: ValidationInfo) -> "RunSpec":
-        # The model's size is bounded by the memory plan per rank and per host (training/planning/memory.py).
+        # The model's size is bounded by the memory plan per rank and per host (training/planning/fit.py).
         if (info.context or {}).get("purpose") == "plan":
             return self  # a plan on paper trains nothing here: any number of processes may be planned
         processes = sum(i.learners * i.processes_per_learner for i in self.islands)

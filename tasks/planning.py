@@ -116,7 +116,7 @@ def publish_memory(spec: RunSpec, key: str) -> dict:
 
 def check_memory(spec: RunSpec) -> None:
     """Before any training: refuse a run whose ranks would not fit the accelerators of islands that set
-    device_memory_gb, or whose learners would not fit their hosts (`training.planning.memory.MemoryRefused`,
+    device_memory_gb, or whose learners would not fit their hosts (`training.planning.fit.MemoryRefused`,
     naming each island or host and what would fit), with the memory plan as artifact `memory`."""
     refuse_unfit(spec, publish_memory(spec, "memory"))
 
