@@ -116,7 +116,11 @@ def sparse_models_train_sharded_as_data_parallel(rank: int) -> None:
                 optimizer_step(model, optimizer, 1e-2)
             trained.append(parallel.gather(list(model.parameters())))
         if rank == 0:
-            assert torch.allclose(trained[0], trained[1], atol=1e-6, rtol=0), float((trained[0] - trained[1]).abs().max())
+            # Sharded and data-parallel gradients are sums in another order, so they differ in the last bits. AdamW
+            # divides by sqrt(v) + 1e-8, which turns such a difference in a near-zero gradient (an expert that
+            # saw almost nothing) into up to about 1e-5 of a weight on some CPUs: two steps of lr 1e-2 agree to
+            # 1% of one step, where a wrong shard or a missed reduction moves weights by up to a whole step.
+            assert torch.allclose(trained[0], trained[1], atol=1e-4, rtol=0), float((trained[0] - trained[1]).abs().max())
 
 
 def memory_options_change_how_it_computes_not_what_it_learns(rank: int) -> None:
