@@ -242,10 +242,13 @@ def test_host_memory_counts_the_exchange_s_state_where_it_lives():
                                            "outer state": vector, "outer state snapshot": vector,
                                            "error-feedback residual": 0}
     assert checkpoint_staging(spec, sizes) == 3 * vector
-    # An exchange in flight, one fragment of everything, no peer (one learner), butterfly's two fields: the
-    # weights sent, the pseudo-gradient, the fields as sent, the outer step's gradient, anchor and copy (7
-    # vectors), and the new snapshot of the momentum.
-    assert exchange_in_flight(spec, spec.islands[0], sizes) == 7 * vector + vector
+    # An exchange in flight, one fragment of everything, no peer (one learner): the weights sent, the
+    # pseudo-gradient, the outer step's gradient, anchor and copy (5 vectors: an uncompressed message's
+    # fields are those tensors), and the new snapshot of the momentum. Compressed, butterfly's two fields
+    # as decoded and their residuals.
+    assert exchange_in_flight(spec, spec.islands[0], sizes) == 5 * vector + vector
+    compressed = spec_of(compression="int4")
+    assert exchange_in_flight(compressed, compressed.islands[0], sizes) == (5 + 2 + 2) * vector + vector
     # int4 with error feedback keeps a residual per message field; two fragments checkpoint the anchors.
     lossy = spec_of(compression="int4", fragments=2)
     assert exchange_state(lossy, model_sizes(lossy))["error-feedback residual"] == 2 * vector
@@ -279,7 +282,7 @@ def test_a_host_too_small_is_refused_with_its_figures_and_what_would_fit():
     with pytest.raises(MemoryRefused) as refused:
         check_fits(spec_of(host_memory_gb=need / GB * 0.9))
     assert str(refused.value).startswith(f"island east: a learner's host needs {need / GB:.2g} GB of host memory, "
-                                         f"it has {need / GB * 0.9:.2g} GB (its 1 ranks on cpu ")
+                                         f"it has {need / GB * 0.9:.2g} GB (its rank on cpu ")
     assert "nothing in the spec lowers it: hosts with more memory" in str(refused.value)
     # Shampoo's state on two ranks of a node: one rank per host, or Nesterov, fits with less.
     shampoo = spec_of(outer="shampoo", processes=2, host_memory_gb=1e-6)
@@ -301,7 +304,7 @@ def test_the_learners_of_islands_without_host_memory_share_this_host():
     assert here["need_bytes"] == 3 * sum(plan["host"]["islands"]["east"]["parts"].values()) > 3 * 16 * 0.8e9
     with pytest.raises(MemoryRefused, match=rf"^this host: the 3 learners of islands east need "
                                             rf"{here['need_bytes'] / GB:.1f} GB of host memory, it has "
-                                            rf"{this_host_bytes() / GB:.1f} GB \(a learner of east: its 1 ranks on cpu"):
+                                            rf"{this_host_bytes() / GB:.1f} GB \(a learner of east: its rank on cpu"):
         check_fits(spec)
 
 

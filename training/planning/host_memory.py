@@ -14,9 +14,9 @@ The host of a learner's rank 0 holds (`learner_host`):
       - a staged checkpoint (`checkpoint_staging`): copies of the weights, the inner moments, the
         anchors and the residual;
       - an exchange in flight (`exchange_in_flight`), at the largest fragment's size: the weights as
-        sent and the pseudo-gradient, the message's fields and their new residuals, each peer's fields
-        decoded, the outer step's gradient, new anchor and its copy, and the fragment's share of the
-        outer state's new snapshot;
+        sent and the pseudo-gradient, a lossy message's fields as decoded and their new residuals, each
+        peer's fields decoded, the outer step's gradient, new anchor and its copy, and the fragment's
+        share of the outer state's new snapshot;
   * under device cpu, its ranks themselves, each at its peak (`training.planning.memory.rank_memory`).
 
 A learner's host is checked against its island's `host_memory_gb`. Islands that leave it empty run
@@ -85,8 +85,9 @@ def peers_per_exchange(spec: RunSpec, island: IslandSpec) -> int:
 def exchange_in_flight(spec: RunSpec, island: IslandSpec, sizes: ModelSizes) -> int:
     """What one exchange holds on rank 0's host while it is in flight (see the module's docstring)."""
     fields = len(SYNC_MODES[spec.sync.mode].fields)
+    decoded = 0 if message_codec(spec, CROSSING).lossless else fields  # lossless: the fields themselves
     residuals = fields if residual_bytes(spec, 1) else 0
-    vectors = 2 + fields + residuals + peers_per_exchange(spec, island) * fields + 3
+    vectors = 2 + decoded + residuals + peers_per_exchange(spec, island) * fields + 3
     outer_share = sizes.outer_state * sizes.largest_fragment // sizes.parameters
     return FP32 * (vectors * sizes.largest_fragment + outer_share)
 
@@ -168,7 +169,9 @@ def learner_host_text(island: dict) -> str:
     """A learner host's parts (`host_plan`'s entry for an island), in words."""
     parts, ranks = island["parts"], island["ranks"]
     state = gigabytes(parts["exchange state"])
-    words = [f"its {ranks} ranks on cpu {gigabytes(parts['ranks on cpu'])}"] if parts["ranks on cpu"] else []
+    on_cpu = gigabytes(parts["ranks on cpu"])
+    words = [f"its {ranks} ranks on cpu {on_cpu}" if ranks > 1 else f"its rank on cpu {on_cpu}"] \
+        if parts["ranks on cpu"] else []
     words.append(f"the exchange's state {state} on each of its {ranks} ranks there" if ranks > 1
                  else f"the exchange's state {state}")
     transient = ("checkpoint staging", "exchange in flight")
