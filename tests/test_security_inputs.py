@@ -79,7 +79,6 @@ BAD_SPECS = [
     ("4,096 learner processes (64 islands of 64)", lambda r: r.update(islands=[
         {"name": f"i{n}", "learners": 64, "batch_size": 2, "seq_len": 16, "inner_steps": 1} for n in range(64)]),
      "islands"),
-    ("51 billion parameters", lambda r: r["model"].update(layers=64, width=8192, heads=64), "model"),
     ("65 corpora", lambda r: r["data"].update(corpora=[{"name": f"c{n}", "source": "python_stdlib"}
                                                        for n in range(65)]), "data.corpora"),
     ("fault kinds repeated", store_errors(kinds=["timeout"] * 6), "faults.0.store_errors.kinds"),
@@ -103,6 +102,19 @@ def test_a_bad_spec_value_is_refused_at_load_naming_the_field_before_the_store_i
     err = capsys.readouterr().err
     assert f"{field}:" in err and "not writable" not in err
     assert SECRET not in err
+
+
+def test_a_model_too_large_for_its_hosts_is_refused_by_the_memory_plan_before_the_store_is_touched(tmp_path, capsys):
+    """A 51-billion-parameter model on CPU learners here: no cap on parameters refuses it, the memory plan of
+    this host does, with its figures, before the store check (which would fail: the store lies under a file)."""
+    (tmp_path / "a-file").write_text("")
+    raw = tiny_raw(str(tmp_path / "a-file" / "store"))
+    raw["model"].update(layers=64, width=8192, heads=64)
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    assert main(["run", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: this host: the ") and "GB of host memory, it has" in err and "not writable" not in err
 
 
 def test_resume_with_a_bad_store_url_names_it_instead_of_a_traceback(capsys):
