@@ -1,7 +1,8 @@
 """A learner sharded with FSDP2 (`islands[].parallelism: fsdp`) over real gloo processes: it trains as a
 one-process learner does on the same rows, its checkpoints are the canonical whole-model layout that
 a one-process learner resumes from (and it resumes from theirs), sparse MoEs train sharded as they do
-data-parallel, and an fsdp island (in bf16, with its memory options) trains with a data-parallel one through
+data-parallel, FSDP2's mixed precision and activation checkpointing change how a learner computes and not
+what it keeps, and an fsdp island (in bf16, with both) trains with a data-parallel one through
 `archipelago run`."""
 
 from __future__ import annotations
