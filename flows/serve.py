@@ -151,19 +151,20 @@ def _started(commands: list[list[str]], env: dict, logs: list[Path], grace_s: fl
 
 @contextmanager
 def prefect_server(port: int, home: Path, log_dir: Path, auth_string: str, startup_timeout_s: float = 120,
-                   host: str = "127.0.0.1", wrapper: tuple[str, ...] = ()):
+                   host: str = "127.0.0.1", wrapper: tuple[str, ...] = (), ui: bool = True):
     """A `prefect server` bound to `host` (loopback, or an address inside a namespace of the caller's
     own, as the shaped-link bench gives its first island), started under the command prefix
     `wrapper` (which must exec it), answering only requests that carry `auth_string` (its health check
-    excepted) and cross-origin requests from its own origin only; yields its API URL. It runs in a
+    excepted); yields its API URL. Without `ui` it serves no UI and answers cross-origin requests from
+    its own origin only (with one, the UI may be opened under another name of the host). It runs in a
     session of its own (a Ctrl-C to the terminal's process group does not reach it), writes its files
     (its database) readable by its user only, and dies with the calling thread (`infra.guard`)."""
     home.mkdir(parents=True, exist_ok=True)
     origin = f"http://{host}:{port}"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_AUTH_STRING": auth_string,
-           "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": origin,
+           "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_UI_ENABLED": str(ui).lower(),
            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           PARENT_PID: str(os.getpid())}
+           PARENT_PID: str(os.getpid()), **({} if ui else {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": origin})}
     env.pop("PREFECT_API_URL", None)
     api_url = f"{origin}/api"
     with _started([[*wrapper, *guarded_module("prefect"), "server", "start"]], env, [log_dir / "prefect-server.log"],

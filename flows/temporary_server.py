@@ -1,13 +1,14 @@
 """The Prefect API of one `archipelago run` or `resume`: the user's (`PREFECT_API_URL`), or a temporary
 server of the command's own.
 
-Prefect's ephemeral mode would start a server as a child in the command's own process group: a
-Ctrl-C in the terminal killed it while the learners trained on, and a SIGKILL of the command left
-it running. The temporary server is `flows.serve.prefect_server`: a session of its own, dead with
-the command even on SIGKILL, on loopback, asking for a random auth string that only this process
-and the server's environment hold (learners inherit no Prefect credential, infra/launch.py), its
-PREFECT_HOME in a folder of this process's (mode 0700, removed on exit; a SIGKILL leaves it in the
-system's temporary folder) and its database readable by its user only.
+Not Prefect's ephemeral mode, whose server is a child in the command's own process group: a Ctrl-C
+in the terminal kills it while the learners train on, and a SIGKILL of the command leaves it
+running. The temporary server is `flows.serve.prefect_server`: a session of its own, dead with the
+command even on SIGKILL, on loopback, asking for a random auth string that only this process and
+the server's environment hold (learners inherit no Prefect credential, infra/launch.py), with no UI
+and cross-origin requests from its own origin only, its PREFECT_HOME in a folder of this process's
+(mode 0700, removed on exit; a SIGKILL leaves it in the system's temporary folder) and its database
+readable by its user only.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def prefect_api():
         auth_string = new_auth_string()
         try:
             api_url = stack.enter_context(prefect_server(free_port(), home, Path(folder), auth_string,
-                                                         STARTUP_TIMEOUT_S))
+                                                         STARTUP_TIMEOUT_S, ui=False))
         except TimeoutError as err:
             log = (Path(folder) / SERVER_LOG).read_text(errors="replace").strip().splitlines()[-5:]
             raise ServerDidNotStart(f"{err}; its log ends: " + " | ".join(log)) from None

@@ -7,10 +7,13 @@ temporary server per command, a local store."""
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -135,6 +138,23 @@ def mid_islands(command: Command, round_pattern: str) -> tuple[list[psutil.Proce
     return server, learners
 
 
+def assert_closed_to_others(server: psutil.Process) -> None:
+    """The temporary server asks for an auth string that is on no command line, lets browsers of other
+    origins read nothing, and keeps its files where only its user can read them."""
+    env = server.environ()
+    secret, port = env["PREFECT_SERVER_API_AUTH_STRING"], env["PREFECT_SERVER_API_PORT"]
+    assert len(secret) > 32 and not any(secret in " ".join(p.info["cmdline"] or ())
+                                        for p in psutil.process_iter(["cmdline"]))
+    with pytest.raises(urllib.error.HTTPError, match="401"):
+        urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/api/flows/filter", data=b"{}"))
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/api/health",
+                                                       headers={"Origin": "http://elsewhere.example"})) as answer:
+        assert answer.headers.get("access-control-allow-origin") is None
+    home = Path(env["PREFECT_HOME"])
+    assert stat.S_IMODE(home.parent.stat().st_mode) == stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "prefect.db").stat().st_mode) == 0o600
+
+
 def test_sigint_then_sigkill_mid_islands_stop_everything_and_the_resumes_finish_the_run_unchanged(
         spec_file, uninterrupted_bpb):
     """One run, interrupted twice: SIGINT while its learners train, then SIGKILL of the resume the
@@ -143,6 +163,7 @@ def test_sigint_then_sigkill_mid_islands_stop_everything_and_the_resumes_finish_
 
     run = Command("run", str(spec_file), cwd=spec_file.parent)
     server, learners = mid_islands(run, "1")
+    assert_closed_to_others(server[0])
     run.process.send_signal(signal.SIGINT)
     interrupted_at = time.monotonic()
     assert run.finish(STOPPED_WITHIN_S) == 130, run.output[-3000:]
