@@ -26,8 +26,6 @@ from infra.spec import parse_spec
 from infra.store import ObjectStore
 from tests.corpora import corpus_folder
 
-pytestmark = pytest.mark.integration
-
 ARCHIPELAGO = str(Path(sys.executable).with_name("archipelago"))
 # The interrupted command's learners, server and their process groups are gone within this.
 STOPPED_WITHIN_S = 30
