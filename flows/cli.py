@@ -91,8 +91,7 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
                 report = state.result()
         except KeyboardInterrupt:
             signum = received[0] if received else signal.SIGINT
-            print(f"\nrun {run_id} interrupted ({signum.name}): its learners are stopped and its lease released; "
-                  f"continue with: {resume_command(spec, run_id)}", file=sys.stderr)
+            print(f"\nrun {run_id} interrupted ({signum.name}): {_after_interrupt(spec, run_id)}", file=sys.stderr)
             return exit_status(signum)
         except ServerDidNotStart as err:
             print(f"error: {err}", file=sys.stderr)
@@ -119,6 +118,17 @@ def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     if report["faults"]["injected"]:
         print(f"faults: {json.dumps(report['faults'])}")
     return 0
+
+
+def _after_interrupt(spec: RunSpec, run_id: str) -> str:
+    """What an interrupted run left behind, and how to go on from it."""
+    try:
+        started = open_run(spec, run_id, writer=None).exists(layout.SPEC)
+    except StoreError:
+        started = True  # the resume will say what is wrong with the store
+    if not started:
+        return "it had not started; there is nothing to resume"
+    return f"its learners are stopped and its lease released; continue with: {resume_command(spec, run_id)}"
 
 
 def resume_command(spec: RunSpec, run_id: str) -> str:
