@@ -14,10 +14,10 @@ bf16 and reduce-scatters gradients in fp32 (the fp32 shards stay the weights the
 pass and recompute its activations in backward (torch's composable `checkpoint`, which keeps the
 parameters' names), under either parallelism.
 
-Exchanges, checkpoints and the planner see neither kind of sharding: what leaves the model is gathered into full
-tensors on rank 0 (`gather`, `full_copy`), and what enters it is split into every rank's shards
-(`scatter` from rank 0's vector, `load` from a vector every rank holds). So islands of different
-parallelism train together, and a checkpoint written under one resumes under the other.
+Exchanges, checkpoints and the planner see neither kind of sharding: what leaves the model is
+gathered into full tensors on rank 0 (`gather`, `full_copy`), and what enters it is split into every
+rank's shards (`scatter` from rank 0's vector, `load` from a vector every rank holds). So islands of
+different parallelism train together, and a checkpoint written under one resumes under the other.
 """
 
 from __future__ import annotations
