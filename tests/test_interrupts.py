@@ -6,6 +6,7 @@ temporary server per command, a local store."""
 
 import os
 import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -176,9 +177,11 @@ def test_sigint_then_sigkill_mid_islands_stop_everything_and_the_resumes_finish_
 
     resumed = Command(*resume_command.split()[1:], cwd=spec_file.parent)  # the printed command, as it is
     server, learners = mid_islands(resumed, "[2-7]")
+    server_folder = Path(server[0].environ()["PREFECT_HOME"]).parent
     resumed.process.kill()
     resumed.finish()
     assert gone_within(server + learners, STOPPED_WITHIN_S) == []
+    shutil.rmtree(server_folder)  # a killed command cannot remove its server's temporary folder
     term = newest_term_number(store)
     assert not store.exists(released_key(term))  # its holder is dead; its lease has not expired
     assert not store.exists(layout.REPORT)
