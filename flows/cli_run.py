@@ -1,0 +1,194 @@
+"""`archipelago run` and `resume`: the checks before any work, the lifecycle on a Prefect API that an
+interrupt stops cleanly, and what the user is told at the end (the result table, what to fix, or how to
+resume)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from infra import layout
+from infra.lease import LeaseHeld
+from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, spec_sha256
+from infra.store import StoreError, run_store
+from infra.store_spec import StoreSpec
+from infra.stores import check_stores_reachable, open_run
+
+
+def preflight(spec: RunSpec) -> dict:
+    """What a run is checked for before any work: its memory plan, per rank and per host (refused with
+    the plan's figures and what would fit), that its stores answer, and that every path it names
+    resolves under the data root. Returns the memory plan."""
+    from training.data.corpora import check_data_paths
+    from training.planning.fit import check_fits
+
+    memory = check_fits(spec)
+    check_stores_reachable(spec)
+    check_data_paths(spec)
+    return memory
+
+
+def dry_run(spec: RunSpec) -> int:
+    """`run --dry-run`: the `preflight` checks, then the model built on the meta device (its shapes, no
+    memory) against the spec and the memory plan; prints what would run, and stops before Prefect or
+    any training."""
+    from tasks.planning import memory_markdown
+    from training.planning.preflight import check_model_on_meta
+
+    try:
+        memory = preflight(spec)
+        model = check_model_on_meta(spec, memory["parameters"])
+    except (SpecError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(memory_markdown(memory) + "\n")
+    print(f"run {spec.name}: model {spec.model.describe()}, {model['parameters']:,} parameters in "
+          f"{model['blocks']} blocks (built on the meta device), {spec.sync.rounds} rounds of {spec.sync.mode}; "
+          f"store {spec.store.url}")
+    for island in spec.islands:
+        options = [name for name in ("fsdp_mixed_precision", "activation_checkpointing") if getattr(island, name)]
+        print(f"island {island.name}: {island.learners} learners of {island.processes_per_learner} {island.device} "
+              f"processes on {island.nodes_per_learner} node(s), {island.parallelism}, {island.precision}"
+              + (f", {', '.join(options)}" if options else "") + f"; {island.batch_size} sequences of "
+              f"{island.seq_len} per step, {island.inner_steps} inner steps a round")
+    print("dry run: every check passed; nothing was started")
+    return 0
+
+
+def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
+    """Check the run (`preflight`) before any work, run the lifecycle, print the result table."""
+    try:
+        preflight(spec)
+    except (SpecError, StoreError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    from eval.report import evaluation_table
+    from flows.interrupts import exit_status, interruptible
+    from flows.lifecycle import run_lifecycle
+    from flows.temporary_server import ServerDidNotStart, prefect_api
+    from infra.resumable import what_to_fix
+
+    print(f"run {run_id}: store {spec.store.url}", flush=True)
+    with interruptible(f"continue with: {resume_command(spec, run_id)}") as received:
+        try:
+            with prefect_api():
+                state = run_lifecycle(spec, run_id, return_state=True)
+                _print_stages(state.state_details.flow_run_id)
+                report = state.result()
+        except KeyboardInterrupt:
+            signum = received[0] if received else signal.SIGINT
+            print(f"\nrun {run_id} interrupted ({signum.name}): {_after_interrupt(spec, run_id)}", file=sys.stderr)
+            return exit_status(signum)
+        except ServerDidNotStart as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        except LeaseHeld as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except Exception as err:  # noqa: BLE001 - the user needs the way back in, whatever failed
+            print(f"\nrun {run_id} failed: {type(err).__name__}: {err}\n" + (
+                what_to_fix(err) or f"completed stages are kept; continue with: {resume_command(spec, run_id)}"),
+                file=sys.stderr)
+            return 1
+    if report_path:
+        Path(report_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(report_path).write_text(json.dumps(report, indent=2))
+    comm = report["communication"]
+    print(f"\nrun {report['run_id']} ({report['sync_mode']}), {report['wall_seconds']:.0f} s")
+    print(evaluation_table(report).to_string(index=False, float_format=lambda v: f"{v:.4f}"))
+    standard = report["compute"]["baseline_tokens"]
+    print(f"tokens: islands {report['compute']['islands_tokens']:,}, "
+          + (f"standard {standard:,}" if standard is not None else "no standard training (evaluation.baseline: none)"))
+    print(f"inter-island bytes {comm['inter_island_bytes']:,} vs per-step all-reduce "
+          f"{comm['allreduce_equivalent_bytes']:,}; max weight distance {report['consensus']['max_weight_distance']:.4f}")
+    if report["faults"]["injected"]:
+        print(f"faults: {json.dumps(report['faults'])}")
+    return 0
+
+
+def _after_interrupt(spec: RunSpec, run_id: str) -> str:
+    """What an interrupted run left behind, and how to go on from it."""
+    try:
+        started = open_run(spec, run_id, writer=None).exists(layout.SPEC)
+    except StoreError:
+        started = True  # the resume will say what is wrong with the store
+    if not started:
+        return "it had not started; there is nothing to resume"
+    return f"its learners are stopped and its lease released; continue with: {resume_command(spec, run_id)}"
+
+
+def resume_command(spec: RunSpec, run_id: str) -> str:
+    """The command line that continues the run from its store."""
+    endpoint = f" --endpoint-url {spec.store.endpoint_url}" if spec.store.endpoint_url else ""
+    return f"archipelago resume {run_id} --store {spec.store.url}{endpoint}"
+
+
+STAGE_VERBS = {"Completed": "ran", "Cached": "reused from an earlier attempt", "Failed": "failed"}
+
+
+def _print_stages(flow_run_id) -> None:
+    """Which stages this attempt ran, which it took from an earlier attempt's results, which failed."""
+    from flows.lifecycle import stage_states
+
+    by_state: dict[str, list[str]] = {}
+    for name, state in stage_states(flow_run_id).items():
+        by_state.setdefault(state, []).append(name)
+    print(f"\nstages of flow run {flow_run_id}:")
+    for state, names in sorted(by_state.items()):
+        print(f"  {STAGE_VERBS.get(state, state.lower())}: {', '.join(sorted(names))}")
+
+
+def load_spec_or_say_why(path: str, purpose: Literal["train", "plan"] = "train",
+                         overrides: Sequence[str] = ()) -> RunSpec | None:
+    try:
+        return load_spec(path, purpose, overrides)
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
+    if spec is None:
+        return 2
+    try:
+        check_windows_ahead(spec, datetime.now(timezone.utc))
+    except SpecError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if any(island.windows for island in spec.islands):
+        print("note: capacity windows are kept by runs started from the `lifecycle` deployment "
+              "(archipelago serve); `run` trains every island now", file=sys.stderr)
+    if args.dry_run:
+        return dry_run(spec)
+    from training.stages import new_run_id
+
+    return _launch(spec, new_run_id(spec), args.report)
+
+
+def resume(args: argparse.Namespace) -> int:
+    """Continue a run from its store: completed stages come back from their persisted results,
+    learners restart from their newest checkpoints. With `--config`, the spec is the user's file and
+    the store's copy must be that spec (signed by the control plane when it has keys); without, the
+    store's copy is taken as it is."""
+    try:
+        if args.config:
+            spec = load_spec(args.config, overrides=args.overrides)
+            stored = open_run(spec, args.run_id, writer=None).get_json(layout.SPEC)
+            if spec_sha256(stored) != spec_sha256(spec):
+                print(f"error: cannot resume {args.run_id}: its store holds another spec than {args.config}",
+                      file=sys.stderr)
+                return 2
+        else:
+            store = run_store(StoreSpec(url=args.store, endpoint_url=args.endpoint_url), args.run_id)
+            spec = RunSpec.model_validate(store.get_json(layout.SPEC))
+    except (StoreError, ValueError) as err:  # ValueError: pydantic's and SpecError, for bad input
+        print(f"error: cannot resume {args.run_id}: {err}", file=sys.stderr)
+        return 2
+    return _launch(spec, args.run_id, args.report)
