@@ -121,7 +121,10 @@ def test_a_store_request_gives_up_within_its_budget(trickling, request_of):
     outcome, seconds = timed(lambda: request_of(store))
     assert isinstance(outcome, StoreUnavailable), outcome
     assert "no complete answer" in str(outcome)
-    assert 2.0 <= seconds <= 2.2
+    # It gives up at its budget, not before; after it, waking the waiting thread and closing the connection
+    # wait for a core, seconds on a busy 2-core machine. Without a budget the request waits for botocore's
+    # 60 s read timeout.
+    assert 2.0 <= seconds <= 5.0
 
 
 def partner_spec(partner_timeout_s: float):

@@ -37,13 +37,15 @@ def shrunk_config() -> dict:
         island.update(learners=1, batch_size=4, seq_len=32, inner_steps=steps)
     raw["sync"]["rounds"] = 2
     raw["training"]["warmup_steps"] = 2
+    raw["evaluation"] = {"baseline": "none"}  # standard training has tests of its own
     return raw
 
 
 def own_texts(folder: Path) -> None:
-    """About 0.8 MB of the user's own text: standard-library modules, as plain .txt files in subfolders."""
+    """About 0.34 MB of the user's own text (room for 2,048 ids): standard-library modules, as plain .txt
+    files in subfolders."""
     stdlib = Path(sysconfig.get_path("stdlib"))
-    modules = sorted(p for p in stdlib.glob("*.py") if 15_000 < p.stat().st_size < 60_000)[:30]
+    modules = sorted(p for p in stdlib.glob("*.py") if 15_000 < p.stat().st_size < 60_000)[:12]
     for n, module in enumerate(modules):
         (folder / f"part{n % 3}").mkdir(parents=True, exist_ok=True)
         (folder / f"part{n % 3}" / f"{module.stem}.txt").write_text(module.read_text())

@@ -468,12 +468,14 @@ def test_run_dry_run_refuses_a_host_or_a_rank_too_small_with_the_plan_s_figures(
         "fsdp_mixed_precision: true needs 75.0 GB per rank\n")
 
 
-async def read_artifacts(key: str):
+async def read_artifacts(key: str, flow_run_id):
+    """One flow run's artifacts of this key: every lifecycle on the session's Prefect API publishes a `memory`."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
     async with get_client() as client:
-        return await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+        return await client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=[key]), flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
 
 
 def test_a_run_that_does_not_fit_fails_before_any_training(tmp_path, prefect_api, capsys):
@@ -488,7 +490,7 @@ def test_a_run_that_does_not_fit_fails_before_any_training(tmp_path, prefect_api
     refused = state.result(raise_on_failure=False)
     assert isinstance(refused, MemoryRefused) and "island east: data_parallel over 4 processes" in str(refused)
     assert not open_run(spec, "too-big").exists(layout.SPEC)  # the run never started
-    artifacts = asyncio.run(read_artifacts("memory"))
+    artifacts = asyncio.run(read_artifacts("memory", state.state_details.flow_run_id))
     assert artifacts and "| east | data_parallel | 4 | 1 |" in artifacts[0].data and "| no |" in artifacts[0].data
     config = tmp_path / "spec.yaml"
     config.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_unset=True)))
