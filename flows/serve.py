@@ -55,6 +55,10 @@ AUTH_USER = "archipelago"
 EXECUTION_VARIABLES = ("command", "env", "working_dir")
 
 
+# The server's log file, in the `log_dir` that `prefect_server` is given.
+SERVER_LOG = "prefect-server.log"
+
+
 def new_auth_string() -> str:
     """A fresh auth string, in the user:password form the UI's login takes."""
     return f"{AUTH_USER}:{secrets.token_urlsafe(32)}"
@@ -167,7 +171,7 @@ def prefect_server(port: int, home: Path, log_dir: Path, auth_string: str, start
            PARENT_PID: str(os.getpid()), **({} if ui else {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": origin})}
     env.pop("PREFECT_API_URL", None)
     api_url = f"{origin}/api"
-    with _started([[*wrapper, *guarded_module("prefect"), "server", "start"]], env, [log_dir / "prefect-server.log"],
+    with _started([[*wrapper, *guarded_module("prefect"), "server", "start"]], env, [log_dir / SERVER_LOG],
                   umask=0o077) as (server,):
         wait_healthy(api_url, startup_timeout_s, server)
         yield api_url

@@ -18,12 +18,11 @@ import tempfile
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from flows.serve import new_auth_string, prefect_server
+from flows.serve import SERVER_LOG, new_auth_string, prefect_server
 
 # `prefect server start` answers its health check 5 to 12 s after it starts on an idle machine; a
 # first start creates its database, and a busy machine is slower.
 STARTUP_TIMEOUT_S = 120
-SERVER_LOG = "prefect-server.log"
 
 
 class ServerDidNotStart(RuntimeError):
