@@ -27,7 +27,7 @@ from infra import layout
 from infra.spec import RunSpec
 from infra.store import ObjectStore
 from training.baseline import DataParallelRank, all_reduce_gradients, train_baseline
-from training.learner.events import emit
+from training.events import emit
 
 
 def train(spec: RunSpec, store: ObjectStore, island: str, max_steps: int | None) -> dict:

@@ -20,7 +20,7 @@ from infra.spec import RunSpec
 from infra.stores import open_run
 from training.consolidate import consolidate
 from training.data.shards import prepare_dataset
-from training.learner import events
+from training import events
 from training.stages import new_run_id, start_run, train_learners
 
 

@@ -25,7 +25,7 @@ from tasks.segments import baseline_deployment, segment_tags
 from tasks.stage import stage
 from training import stages
 from training.baseline import train_baseline
-from training.learner import events
+from training import events
 from training.consolidate import consolidate
 
 

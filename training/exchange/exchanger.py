@@ -28,7 +28,7 @@ from infra.spec import LearnerSlot, RunSpec
 from infra.store import IntegrityError, ObjectExists, StoreError, calls_end_by
 from training.exchange.channel import Channel, MalformedMessage
 from training.exchange.compression import Codec, ErrorFeedback
-from training.learner.events import emit
+from training.events import emit
 from training.exchange.fragments import FragmentLayout, exchange_count, fragment_of_round
 from training.exchange.messages import ExpectedMessage, MessageRejected, accept_message, check_bounds
 from training.exchange.mixing import (butterfly_partner, crosses_islands_in, mean_over_islands, mix_pair,

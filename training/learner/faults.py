@@ -12,7 +12,7 @@ from infra.faults import StoreFaults
 from infra.fault_spec import CloseWindow, CorruptObject, KillLearner, StoreErrors
 from infra.spec import RunSpec
 from infra.stores import RunStores
-from training.learner.events import emit
+from training.events import emit
 
 
 def store_faults(spec: RunSpec, learner: int) -> StoreFaults | None:

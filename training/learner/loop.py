@@ -33,7 +33,7 @@ from infra.stores import RunStores
 from training.exchange.transport import Transport
 from infra.windows import round_fits
 from training.data.streams import WindowSampler, read_stream
-from training.learner.events import emit
+from training.events import emit
 from training.learner.faults import LearnerFaults
 from training.model.inner import forward_precision, inner_optimizer, optimizer_step
 from training.learner.ledger import Ledger, LearnerSummary, StepValues, peak_memory_bytes, step_stride, write_summary

@@ -19,7 +19,7 @@ import torch
 
 from infra import layout
 from infra.store import IntegrityError, ObjectExists, ObjectMissing, ObjectStore, StoreError
-from training.learner.events import emit
+from training.events import emit
 from training.learner.ledger import Ledger
 from training.exchange.messages import short
 from training.exchange.outer import StateRejected
