@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from infra.model_spec import BOS
+from infra.spec.model import BOS
 
 
 @torch.no_grad()

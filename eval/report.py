@@ -6,7 +6,7 @@ import pandas as pd
 
 from eval.bootstrap import paired_bootstrap
 from infra import layout
-from infra.fault_spec import CorruptObject
+from infra.spec.faults import CorruptObject
 from infra.spec import RunSpec
 from training.baseline import BaselinePlan
 from training.learner.ledger import LearnerSummary

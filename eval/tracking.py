@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from infra import layout
-from infra.tracking_spec import TrackingSpec
+from infra.spec.tracking import TrackingSpec
 from training.learner.ledger import read_summaries
 
 logger = logging.getLogger(__name__)

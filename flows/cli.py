@@ -137,7 +137,7 @@ def export_metrics(args: argparse.Namespace) -> int:
     if spec is None:
         return 2
     from eval.tracking import BACKENDS, TrackingUnavailable, open_sink, replay_run
-    from infra.tracking_spec import TrackingSpec
+    from infra.spec.tracking import TrackingSpec
 
     backend, target = args.to
     if backend not in BACKENDS:
@@ -253,7 +253,7 @@ class VersionAction(argparse.Action):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="archipelago", description=__doc__)
     parser.add_argument("--version", action=VersionAction)
-    # Every command that loads a run spec takes --set, applied to its YAML before validation (infra/overrides.py).
+    # Every command that loads a run spec takes --set, applied to its YAML before validation (infra/spec/overrides.py).
     spec_options = argparse.ArgumentParser(add_help=False)
     spec_options.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.FIELD=VALUE",
                               help="override a field of the run spec (repeatable; lists by index, e.g. "

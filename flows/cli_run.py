@@ -17,7 +17,7 @@ from infra import layout
 from infra.lease import LeaseHeld
 from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, spec_sha256
 from infra.store import StoreError, run_store
-from infra.store_spec import StoreSpec
+from infra.spec.store import StoreSpec
 from infra.stores import check_stores_reachable, open_run
 
 

@@ -14,7 +14,8 @@ from __future__ import annotations
 import copy
 
 from infra.s3 import CREDENTIAL_VARIABLES
-from infra.spec import IslandSpec, RunSpec
+from infra.spec import RunSpec
+from infra.spec.island import IslandSpec
 from infra.stores import island_credential_prefixes
 
 # The Kubernetes template's variables a run may still set: none changes what runs, where, as whom, with

@@ -33,7 +33,7 @@ from prefect.deployments.runner import EntrypointType
 
 from infra.guard import PARENT_PID, guarded_module
 from infra.spec import RunSpec
-from infra.windows import CapacityWindow
+from infra.spec.windows import CapacityWindow
 from tasks.segments import island_pool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -50,7 +50,7 @@ from infra.guard import PARENT_PID, SLURM_STEP_DAEMON, die_with_parent, run_modu
 from infra.rendezvous import ANNOUNCEMENT, RENDEZVOUS_TIMEOUT_S, Endpoint, announcement
 from infra.spec import IslandSpec, RunSpec, spec_sha256
 from infra.store import ObjectStore
-from infra.tracking_spec import TRACKER_CREDENTIALS
+from infra.spec.tracking import TRACKER_CREDENTIALS
 
 # Exit status of a learner that stopped at its capacity window's end: a pause, not a failure.
 WINDOW_CLOSED = 75

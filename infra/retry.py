@@ -10,12 +10,15 @@ This is the only retry loop: the S3 store turns off botocore's and s3fs's own re
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import errno
 import functools
 import http.client
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -48,6 +51,8 @@ _PERMANENT = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryE
 # Its own entropy, so learners that seed `random` identically (or fork) still spread their
 # retries apart instead of hammering a throttled service in lockstep.
 _JITTER = random.SystemRandom()
+# When every store call this thread makes must have ended (time.monotonic()), see `calls_end_by`.
+_CALLS_END_BY: ContextVar[float | None] = ContextVar("store_calls_end_by", default=None)
 
 
 class StoreUnavailable(StoreError):
@@ -163,3 +168,25 @@ def call_with_retry(fn: Callable[..., T], *args: Any, policy: RetryPolicy, descr
         f"{describe}: store still unavailable after {attempt} attempts in {clock() - start:.1f}s "
         f"(policy: {policy.attempts} attempts, {policy.budget_s:g}s budget); "
         f"last error {type(last).__name__}: {last}") from last
+
+
+@contextlib.contextmanager
+def calls_end_by(deadline: float) -> Iterator[None]:
+    """Every store call made inside, by this thread, ends by `deadline` (time.monotonic() seconds), or
+    by an earlier one it is already under: no retry starts after it, and an S3 request under way is
+    abandoned at it. A wait holds its deadline this way, with whatever it asks on the way (a peer's
+    liveness records, from that peer's store) included."""
+    outer = _CALLS_END_BY.get()
+    token = _CALLS_END_BY.set(deadline if outer is None else min(outer, deadline))
+    try:
+        yield
+    finally:
+        _CALLS_END_BY.reset(token)
+
+
+def within_calls_deadline(policy: RetryPolicy) -> RetryPolicy:
+    """`policy` with its budget cut to what is left before the `calls_end_by` deadline this thread is under."""
+    end_by = _CALLS_END_BY.get()
+    if end_by is None:
+        return policy
+    return dataclasses.replace(policy, budget_s=max(0.0, min(policy.budget_s, end_by - time.monotonic())))

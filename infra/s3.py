@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 
 import s3fs
 from fsspec.asyn import sync_wrapper
+from fsspec.exceptions import FSTimeoutError
 
 from infra.retry import RetryPolicy
 from infra.store_errors import StoreError
@@ -17,9 +20,11 @@ from infra.store_errors import StoreError
 # every object under 5 GiB a single PUT instead of s3fs's multipart from 100 MiB.
 SINGLE_PUT_MAX_BYTES = 5 * 2**30
 # s3fs's own defaults, capped at the retry budget. Both are idle timeouts (a server that keeps sending a
-# byte now and then trips neither): what bounds an attempt's total time is the store's (infra/store.py).
+# byte now and then trips neither): what bounds an attempt's total time is `each_attempt_within`.
 _CONNECT_TIMEOUT_S = 5.0
 _READ_TIMEOUT_S = 15.0
+# fsspec reads a timeout of 0 as no timeout at all: an attempt with no time left gets this instead.
+_MIN_ATTEMPT_S = 0.001
 
 
 def is_create_conflict(error: OSError) -> bool:
@@ -117,3 +122,20 @@ def s3_filesystem(endpoint_url: str | None, retry: RetryPolicy, credentials_env:
     # setting it on the shared instance changes no other user of s3fs.
     fs.retries = 1
     return fs
+
+
+def each_attempt_within(request: Callable, budget_s: float) -> Callable:
+    """`request` (an s3fs call) with every attempt abandoned once `budget_s` from now have passed,
+    whatever the server sends. botocore's read timeout is an idle timeout: a server that trickles a byte
+    every few seconds never trips it, and held one GET for as long as it liked. fsspec's `timeout` runs
+    the request under asyncio.wait_for, which cancels it (closing its connection) at the deadline."""
+    ends = time.monotonic() + budget_s
+
+    def attempt(*args, **kwargs):
+        left = max(ends - time.monotonic(), _MIN_ATTEMPT_S)
+        try:
+            return request(*args, timeout=left, **kwargs)
+        except FSTimeoutError:
+            raise TimeoutError(f"no complete answer in the {left:.2f}s left of the call's "
+                               f"{budget_s:.2f}s budget") from None
+    return attempt

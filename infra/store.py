@@ -19,99 +19,24 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
-import hashlib
-import json
 import os
-import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextvars import ContextVar
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import fsspec
 import torch
-from fsspec.exceptions import FSTimeoutError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from infra.authority import Authority, Unauthenticated, kind_of
 from infra.faults import FaultInjectingFileSystem, StoreFaults
-from infra.s3 import SINGLE_PUT_MAX_BYTES, is_create_conflict, s3_filesystem
-from infra.store_errors import IntegrityError, ObjectExists, ObjectMissing, StoreError
-from infra.retry import RetryPolicy, StoreUnavailable, call_with_retry
-
-# A segment cannot start with '.', which keeps out '.', '..' and hidden temporary files.
-_SEGMENT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=-]*")
-_KEY = re.compile(rf"{_SEGMENT.pattern}(/{_SEGMENT.pattern})*")
-# S3's bucket naming rules (3-63 lowercase letters, digits, dots and hyphens, alphanumeric ends).
-_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def validate_key(key: str) -> str:
-    if not isinstance(key, str) or not _KEY.fullmatch(key):
-        raise StoreError(f"invalid object key {key!r}: use relative paths of [A-Za-z0-9_.=-] segments")
-    return key
-
-
-def parse_store_url(url: str) -> str:
-    """The normalised store root: an absolute local folder path, or s3://bucket[/prefix].
-
-    Anything that would silently land somewhere unintended is refused: an unexpanded `~`
-    (it would become a folder named `~`), a mistyped scheme such as `s3:/bucket` (it would
-    become a local folder named `s3:`), other schemes, and empty or blank urls.
-    """
-    def refuse(why: str) -> StoreError:
-        return StoreError(f"store url {url!r}: {why}; use a local folder or s3://bucket[/prefix]")
-
-    if not isinstance(url, str) or not url.strip():
-        raise refuse("empty")
-    if url != url.strip() or any(ord(c) < 32 for c in url):
-        raise refuse("leading/trailing whitespace or control characters")
-    if url.startswith("s3://"):
-        bucket, _, prefix = url[len("s3://"):].rstrip("/").partition("/")
-        if not bucket:
-            raise refuse("no bucket")
-        if not _BUCKET.fullmatch(bucket):
-            raise refuse(f"bucket {bucket!r} is not a valid S3 bucket name")
-        if prefix and not _KEY.fullmatch(prefix):
-            raise refuse(f"prefix {prefix!r} must be [A-Za-z0-9_.=-] segments separated by single '/'")
-        return f"s3://{bucket}" + (f"/{prefix}" if prefix else "")
-    if url.startswith("file://"):
-        path = url[len("file://"):]
-        if not path.startswith("/"):
-            raise refuse("a file:// url needs an absolute path (file:///path)")
-    elif _SCHEME.match(url):
-        raise refuse(f"unsupported scheme {url.split(':', 1)[0]!r}")
-    else:
-        path = url
-    if path.startswith("~"):
-        raise refuse("'~' is not expanded; give the folder's full path")
-    return str(Path(path).resolve())
-
-
-@dataclass(frozen=True)
-class ObjectRef:
-    """Where an object lives and what its bytes must hash to; what JSON documents point with."""
-
-    key: str
-    sha256: str
-    nbytes: int
-
-    def to_json(self) -> dict:
-        return {"key": self.key, "sha256": self.sha256, "nbytes": self.nbytes}
-
-    @classmethod
-    def from_json(cls, raw: dict) -> "ObjectRef":
-        return cls(key=raw["key"], sha256=raw["sha256"], nbytes=int(raw["nbytes"]))
-
+from infra.objects import (JSON_MAX_BYTES, KEY_SEGMENT, ObjectRef, canonical_json, json_document, parse_store_url,
+                           sha256, validate_key, verified_envelope)
+from infra.retry import RetryPolicy, StoreUnavailable, call_with_retry, calls_end_by, within_calls_deadline
+from infra.s3 import SINGLE_PUT_MAX_BYTES, each_attempt_within, is_create_conflict, s3_filesystem
+from infra.store_errors import IntegrityError, ObjectExists, ObjectMissing, ObjectTooLarge, StoreError
 
 # A poll gets at least this long to answer, so that a wait with no time left still looks once.
 _MIN_POLL_BUDGET_S = 1.0
@@ -120,48 +45,6 @@ _MIN_POLL_BUDGET_S = 1.0
 # short waits of a run in step cost no more than their polls.
 _GIVE_UP_AFTER_S = 1.0
 _GIVE_UP_EVERY_S = 3.0
-# What a JSON document may weigh unless its reader says otherwise: commits, records and manifests are
-# kilobytes; a checkpoint's commit carries the learner's ledger, which grows with its rounds.
-JSON_MAX_BYTES = 16 << 20
-# A document nested deeper than this is refused before it is parsed (json.loads would recurse).
-_JSON_MAX_DEPTH = 64
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-# fsspec reads a timeout of 0 as no timeout at all: an attempt with no time left gets this instead.
-_MIN_ATTEMPT_S = 0.001
-# When every store call this thread makes must have ended (time.monotonic()), see `calls_end_by`.
-_CALLS_END_BY: ContextVar[float | None] = ContextVar("store_calls_end_by", default=None)
-
-
-@contextlib.contextmanager
-def calls_end_by(deadline: float) -> Iterator[None]:
-    """Every store call made inside, by this thread, ends by `deadline` (time.monotonic() seconds), or
-    by an earlier one it is already under: no retry starts after it, and an S3 request under way is
-    abandoned at it. A wait holds its deadline this way, with whatever it asks on the way (a peer's
-    liveness records, from that peer's store) included."""
-    outer = _CALLS_END_BY.get()
-    token = _CALLS_END_BY.set(deadline if outer is None else min(outer, deadline))
-    try:
-        yield
-    finally:
-        _CALLS_END_BY.reset(token)
-
-
-def _each_attempt_within(request: Callable, budget_s: float) -> Callable:
-    """`request` (an s3fs call) with every attempt abandoned once `budget_s` from now have passed,
-    whatever the server sends. botocore's read timeout is an idle timeout: a server that trickles a byte
-    every few seconds never trips it, and held one GET for as long as it liked. fsspec's `timeout` runs
-    the request under asyncio.wait_for, which cancels it (closing its connection) at the deadline."""
-    ends = time.monotonic() + budget_s
-
-    def attempt(*args, **kwargs):
-        left = max(ends - time.monotonic(), _MIN_ATTEMPT_S)
-        try:
-            return request(*args, timeout=left, **kwargs)
-        except FSTimeoutError:
-            raise TimeoutError(f"no complete answer in the {left:.2f}s left of the call's "
-                               f"{budget_s:.2f}s budget") from None
-    return attempt
-
 
 # Objects refused by kind in this process, over all its stores: a control plane's stages each open
 # their own, and its report counts what any of them refused.
@@ -176,10 +59,6 @@ def count_refused_in_process(kind: str) -> None:
     """Count a refused object of `kind` for this process's report: by a store, or by a reader of objects that
     no ObjectStore reads (Prefect's stage results)."""
     _REFUSED_IN_PROCESS[kind] += 1
-
-
-class ObjectTooLarge(IntegrityError):
-    """An object holds more bytes than its reader takes; it was not read whole, and is not read again."""
 
 
 class ObjectStore:
@@ -249,12 +128,9 @@ class ObjectStore:
     def _call(self, describe: str, fn, *args, policy: RetryPolicy | None = None, **kwargs):
         def count(attempt, error, delay):
             self._shared.stats["retries"] += 1
-        policy = policy or self.retry
-        end_by = _CALLS_END_BY.get()
-        if end_by is not None:
-            policy = dataclasses.replace(policy, budget_s=max(0.0, min(policy.budget_s, end_by - time.monotonic())))
+        policy = within_calls_deadline(policy or self.retry)
         if not self.is_local:  # a local call cannot trickle, and local filesystem calls take no timeout
-            fn = _each_attempt_within(fn, policy.budget_s)
+            fn = each_attempt_within(fn, policy.budget_s)
         return call_with_retry(fn, *args, policy=policy, describe=f"{describe} {self.url}",
                                on_retry=count, **kwargs)
 
@@ -430,7 +306,7 @@ class ObjectStore:
         ObjectTooLarge), never a crash of the reader."""
         for _ in range(3):  # a damaged transfer heals on re-read; a damaged object does not
             raw = self.get_bytes(key, policy=policy, max_bytes=max_bytes)
-            envelope = _verified_envelope(raw)
+            envelope = verified_envelope(raw)
             if envelope is not None:
                 if self.authority is not None:
                     try:
@@ -494,43 +370,6 @@ class ObjectStore:
         return self.get_tensors(ref), meta, ref.nbytes + meta_bytes
 
 
-def canonical_json(body: dict) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-
-
-def json_document(body: dict, digest: str | None = None, signature: dict | None = None) -> bytes:
-    """A JSON object as the store writes it: the body beside the sha256 of its canonical form, and
-    its writer's signature when it has one."""
-    envelope = {"sha256": digest or sha256(canonical_json(body)), "body": body}
-    if signature is not None:
-        envelope["signature"] = signature
-    return json.dumps(envelope, sort_keys=True, indent=1).encode()
-
-
-def _verified_envelope(raw: bytes) -> dict | None:
-    """The envelope of a JSON document whose body is an object matching its recorded sha256; else None.
-    Nesting is bounded before parsing: json.loads recurses, and a document of brackets would crash it."""
-    if _nesting_depth(raw) > _JSON_MAX_DEPTH:
-        return None
-    try:
-        envelope = json.loads(raw)
-        body, recorded = envelope["body"], envelope["sha256"]
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return None
-    if not isinstance(body, dict) or not isinstance(recorded, str):
-        return None
-    return envelope if sha256(canonical_json(body)) == recorded else None
-
-
-def _nesting_depth(raw: bytes) -> int:
-    """The deepest bracket nesting of a JSON text (brackets inside strings counted too: an upper bound)."""
-    depth = deepest = 0
-    for byte in raw.translate(None, delete=_NOT_BRACKETS):
-        depth += 1 if byte in b"[{" else -1
-        deepest = max(deepest, depth)
-    return deepest
-
-
 class _Shared:
     """What a store and its children share: one connection, the outermost root, the fault
     switch, the writer's authority, the counters."""
@@ -553,7 +392,7 @@ class _Shared:
 
 def run_store(store_spec, run_id: str, authority: Authority | None = None) -> ObjectStore:
     """The prefix that holds everything of one run; `authority`: how this process signs and checks it."""
-    if not isinstance(run_id, str) or not _SEGMENT.fullmatch(run_id):
+    if not isinstance(run_id, str) or not KEY_SEGMENT.fullmatch(run_id):
         raise StoreError(f"invalid run id {run_id!r}: one path segment of [A-Za-z0-9_.=-], "
                          "not starting with '.'")
     return ObjectStore.from_spec(store_spec, authority=authority).child(f"runs/{run_id}")

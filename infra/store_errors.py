@@ -15,3 +15,7 @@ class ObjectExists(StoreError):
 
 class IntegrityError(StoreError):
     """An object's bytes do not match the checksum recorded for them."""
+
+
+class ObjectTooLarge(IntegrityError):
+    """An object holds more bytes than its reader takes; it was not read whole, and is not read again."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from infra import layout
-from infra.fault_spec import FailStage
+from infra.spec.faults import FailStage
 from infra.spec import RunSpec
 from infra.stores import open_run
 

@@ -29,7 +29,8 @@ from prefect.serializers import JSONSerializer
 from pydantic import BaseModel, Field
 
 from infra.authority import Signer, Unauthenticated, public_key_of, signing_section, verify_signature
-from infra.store import count_refused_in_process, parse_store_url, sha256
+from infra.objects import parse_store_url, sha256
+from infra.store import count_refused_in_process
 
 
 def stage_cache(ignored_inputs: tuple[str, ...] = ()):

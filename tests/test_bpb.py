@@ -3,7 +3,7 @@ import math
 import torch
 
 from eval.bpb import bits_per_byte
-from infra.model_spec import BOS, BYTE_VOCAB as VOCAB
+from infra.spec.model import BOS, BYTE_VOCAB as VOCAB
 
 
 class FixedModel(torch.nn.Module):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.model_spec import BOS
+from infra.spec.model import BOS
 from training.data.corpora import Document
 from training.data.shards import encode, shard_documents, split_documents, split_validation
 

@@ -19,7 +19,7 @@ import yaml
 from torch.distributed.tensor import DTensor
 
 from infra import layout
-from infra.model_spec import BYTE_VOCAB
+from infra.spec.model import BYTE_VOCAB
 from infra.spec import parse_spec
 from infra.store import ObjectStore, run_store
 from tests.corpora import corpus_folder

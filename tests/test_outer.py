@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from infra.spec import OuterOptimizerSpec
+from infra.spec.sync import OuterOptimizerSpec
 from training.exchange.outer import OuterOptimizer
 
 # Matrices above the default block size (512 elements), which Shampoo would flatten into vectors.

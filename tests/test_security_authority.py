@@ -10,8 +10,10 @@ import torch
 from infra import layout
 from infra.authority import CONTROL, Authority, Unauthenticated, foreign_signing_keys, generate_keypair
 from infra.derived import commit_derived, read_derived
-from infra.spec import OuterOptimizerSpec, parse_spec
-from infra.store import IntegrityError, ObjectStore, ObjectTooLarge, json_document
+from infra.objects import json_document
+from infra.spec import parse_spec
+from infra.spec.sync import OuterOptimizerSpec
+from infra.store import IntegrityError, ObjectStore, ObjectTooLarge
 from infra.stores import RunStores
 from training.data.shards import prepare_dataset
 from training.learner.loop import Learner

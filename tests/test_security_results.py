@@ -163,7 +163,7 @@ def test_the_result_storage_refuses_anything_but_plain_json_on_every_read_path(w
     from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
     from prefect.serializers import JSONSerializer
 
-    from infra.store_spec import StoreSpec
+    from infra.spec.store import StoreSpec
     from tasks.results import RESULT_SERIALIZER, UntrustedResultRecord, result_storage
 
     if where == "s3":

@@ -8,9 +8,10 @@ import time
 import pytest
 import s3fs
 
+from infra.objects import parse_store_url, validate_key
 from infra.retry import RetryPolicy, StoreUnavailable
-from infra.store_spec import StoreSpec
-from infra.store import ObjectExists, ObjectStore, StoreError, parse_store_url, run_store, validate_key
+from infra.spec.store import StoreSpec
+from infra.store import ObjectExists, ObjectStore, StoreError, run_store
 
 
 @pytest.mark.parametrize("url, why", [

@@ -1,3 +1,6 @@
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +83,21 @@ def test_memory_options_of_an_island_are_checked(island, message):
     with pytest.raises(SpecError) as err:
         parse_spec(raw)
     assert message in str(err.value)
+
+
+# What checking a spec must never pull in: the stores, process launching, S3 clients, Prefect.
+SPEC_MUST_NOT_IMPORT = ("infra.store", "infra.stores", "infra.s3", "infra.launch", "infra.seaweed", "infra.lease",
+                        "fsspec", "s3fs", "boto3", "botocore", "subprocess", "prefect", "torch")
+
+
+def test_spec_package_imports_no_store_or_process_code():
+    """Every module of infra.spec imported, and the demo spec loaded, in a fresh interpreter: none of
+    the modules that do I/O is imported on the way."""
+    probe = ("import json, pkgutil, importlib, sys; import infra.spec; "
+             "[importlib.import_module(m.name) for m in pkgutil.iter_modules(infra.spec.__path__, 'infra.spec.')]; "
+             f"infra.spec.load_spec({str(DEMO)!r}); print(json.dumps(sorted(sys.modules)))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                                       cwd=Path(__file__).resolve().parents[1]).stdout)
+    assert "infra.spec.sync" in loaded and "infra.spec.windows" in loaded
+    assert [name for name in loaded
+            if any(name == forbidden or name.startswith(f"{forbidden}.") for forbidden in SPEC_MUST_NOT_IMPORT)] == []

@@ -17,7 +17,7 @@ from eval.tracking import Point, Sink, TrackingUnavailable, learner_points, open
 from flows.cli import main
 from infra.spec import SpecError, parse_spec
 from infra.store import run_store
-from infra.tracking_spec import TrackingSpec
+from infra.spec.tracking import TrackingSpec
 from tests.test_security_results import tiny_spec
 from tests.test_spec import demo_raw
 from training.learner.ledger import read_summaries

@@ -26,8 +26,8 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import datasets
 
+from infra.objects import parse_store_url
 from infra.spec import SpecError
-from infra.store import parse_store_url
 
 datasets.disable_progress_bars()
 CACHE_DIR = Path.home() / ".cache" / "archipelago"

@@ -24,7 +24,7 @@ from datasketch import MinHash, MinHashLSH
 
 from infra import layout
 from infra.stores import RunStores
-from infra.model_spec import BOS
+from infra.spec.model import BOS
 from training.data.corpora import DataError, Document, data_root, document_rank, load_documents, under_data_root
 from training.data.streams import min_stream_tokens
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from infra.store import ObjectRef
+from infra.objects import ObjectRef
 
 
 def min_stream_tokens(seq_len: int) -> int:

@@ -28,7 +28,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from infra import watchdog
-from infra.store import ObjectExists, ObjectRef, ObjectStore, sha256
+from infra.objects import ObjectRef, sha256
+from infra.store import ObjectExists, ObjectStore
 from training.exchange.channel import Channel, MalformedMessage, Message
 
 LINK_CLASSES = ("inter", "intra")

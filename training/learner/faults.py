@@ -9,7 +9,7 @@ import signal
 
 from infra import layout
 from infra.faults import StoreFaults
-from infra.fault_spec import CloseWindow, CorruptObject, KillLearner, StoreErrors
+from infra.spec.faults import CloseWindow, CorruptObject, KillLearner, StoreErrors
 from infra.spec import RunSpec
 from infra.stores import RunStores
 from training.events import emit

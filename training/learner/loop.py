@@ -31,7 +31,7 @@ from infra.spec import LearnerSlot, RunSpec
 from infra.store import ObjectStore
 from infra.stores import RunStores
 from training.exchange.transport import Transport
-from infra.windows import round_fits
+from infra.spec.windows import round_fits
 from training.data.streams import WindowSampler, read_stream
 from training.events import emit
 from training.learner.faults import LearnerFaults

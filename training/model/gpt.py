@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from infra.model_spec import BYTE_VOCAB
+from infra.spec.model import BYTE_VOCAB
 
 BLOCK = re.compile(r"^blocks\.(\d+)\.")
 

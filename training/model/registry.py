@@ -1,5 +1,5 @@
 """The model a run spec names: the built-in byte GPT, a transformers causal LM, or a model an installed
-package registers (`infra.model_spec.registered_models`)."""
+package registers (`infra.spec.model.registered_models`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from infra import layout
 from infra.derived import commit_derived, read_derived
-from infra.model_spec import BUILT_IN
+from infra.spec.model import BUILT_IN
 from training.model.params import flat_parameters, load_flat_parameters
 
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from infra.spec import IslandSpec, RunSpec
+from infra.spec import RunSpec
+from infra.spec.island import IslandSpec
 from training.exchange.exchanger import CROSSING, SYNC_MODES, island_links, message_codec, mode_period, residual_fields
 from training.planning.memory import FP32, GB, ModelSizes, gigabytes, model_sizes
 

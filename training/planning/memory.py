@@ -31,8 +31,9 @@ from functools import cache
 
 import torch
 
-from infra.model_spec import BUILT_IN
-from infra.spec import IslandSpec, RunSpec
+from infra.spec import RunSpec
+from infra.spec.island import IslandSpec
+from infra.spec.model import BUILT_IN
 
 GB = 1e9
 FP32 = 4
@@ -159,7 +160,7 @@ def outer_state_elements(outer_spec, shape: torch.Size) -> int:
 
 @cache
 def _outer_state_elements(outer_json: str, shape: tuple[int, ...]) -> int:
-    from infra.spec import OuterOptimizerSpec
+    from infra.spec.sync import OuterOptimizerSpec
     from training.exchange.outer import OuterOptimizer
 
     with torch.device("meta"):

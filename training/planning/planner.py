@@ -24,8 +24,8 @@ import torch
 from safetensors.torch import save as save_safetensors
 
 from infra.authority import placeholder_signature
+from infra.objects import ObjectRef, json_document
 from infra.spec import RunSpec
-from infra.store import ObjectRef, json_document
 from training.exchange.fragments import assign_fragments, fragment_of_round
 from training.model.registry import build_model
 from training.planning.profile import check_profiling_fits_here, measure_step_seconds

@@ -1,6 +1,6 @@
 """Capacity windows in the planner's replay: a learner computes only inside its island's windows.
 
-A learner stops by its own rule (`infra.windows.round_fits`: a round starts only if one as long as
+A learner stops by its own rule (`infra.spec.windows.round_fits`: a round starts only if one as long as
 its last would end before the window does) and resumes at its next window's start as a new life,
 with its exchange in flight carried over as its checkpoint carries it. A partner on another island
 meanwhile waits for its messages: those waits are where one island waits on another.
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 
 from infra.spec import RunSpec
-from infra.windows import round_fits
+from infra.spec.windows import round_fits
 
 
 class WindowsTooShort(ValueError):

@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from infra.spec_model import SpecModel
+from infra.spec.base import SpecModel
 
 # Kubernetes names: a DNS-1123 label (namespaces), a DNS-1123 subdomain (secrets, service accounts).
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, model_validator
 
-from infra.spec_model import SpecModel
+from infra.spec.base import SpecModel
 
 # The variables trackers read their credentials from: withheld from learner processes (infra/launch.py).
 TRACKER_CREDENTIALS = ("WANDB_API_KEY", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",

@@ -6,8 +6,9 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from infra.spec_model import MAX_WAIT_S, SpecModel
-from infra.store import StoreError, parse_store_url
+from infra.objects import parse_store_url
+from infra.spec.base import MAX_WAIT_S, SpecModel
+from infra.store_errors import StoreError
 
 
 class StoreSpec(SpecModel):

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from infra.spec_model import MAX_WIDTH, SpecModel
+from infra.spec.base import MAX_WIDTH, SpecModel
 
 # Byte vocabulary: the 256 byte values and one document separator, so bits per byte count exactly the
 # bytes of the text.

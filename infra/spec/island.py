@@ -8,10 +8,10 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from infra.authority import public_key_of
-from infra.pool_spec import PoolSpec
-from infra.spec_model import MAX_BATCH, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_STEPS, SpecModel
-from infra.store_spec import StoreSpec
-from infra.windows import CapacityWindow
+from infra.spec.base import MAX_BATCH, MAX_LEARNER_PROCESSES, MAX_LIST, MAX_STEPS, SpecModel
+from infra.spec.pool import PoolSpec
+from infra.spec.store import StoreSpec
+from infra.spec.windows import CapacityWindow
 
 
 class SigningSpec(SpecModel):

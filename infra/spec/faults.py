@@ -6,7 +6,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import Field
 
-from infra.spec_model import MAX_WAIT_S, SpecModel
+from infra.spec.base import MAX_WAIT_S, SpecModel
 
 
 class KillLearner(SpecModel):

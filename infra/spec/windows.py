@@ -7,7 +7,7 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from pydantic import Field, model_validator
 
-from infra.spec_model import SpecModel
+from infra.spec.base import SpecModel
 
 
 class CapacityWindow(SpecModel):
