@@ -16,9 +16,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 
 from infra import layout
-from infra.launch import stop_learners_on_sigterm, yield_cpu_to_learners
 from infra.spec import RunSpec, check_windows_ahead
 from infra.stores import open_run
+from infra.supervision import stop_learners_on_sigterm, yield_cpu_to_learners
 from tasks.credentials import load_credential_blocks
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
 from tasks.setup import flow_run_run_id

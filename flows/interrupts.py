@@ -15,7 +15,7 @@ import signal
 import threading
 from contextlib import contextmanager
 
-from infra.launch import kill_children
+from infra.supervision import kill_children
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

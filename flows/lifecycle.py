@@ -23,10 +23,10 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run
 
 from infra.authority import CONTROL
-from infra.launch import stop_learners
 from infra.lease import STOP_MARGIN_S, held_lease, this_process
 from infra.spec import RunSpec
 from infra.stores import open_run
+from infra.supervision import stop_learners
 from tasks.credentials import load_credential_blocks
 from tasks.data import prepare_data
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report

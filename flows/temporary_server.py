@@ -5,7 +5,7 @@ Not Prefect's ephemeral mode, whose server is a child in the command's own proce
 in the terminal kills it while the learners train on, and a SIGKILL of the command leaves it
 running. The temporary server is `flows.serve.prefect_server`: a session of its own, dead with the
 command even on SIGKILL, on loopback, asking for a random auth string that only this process and
-the server's environment hold (learners inherit no Prefect credential, infra/launch.py), with no UI
+the server's environment hold (learners inherit no Prefect credential, infra/supervision.py), with no UI
 and cross-origin requests from its own origin only, its PREFECT_HOME in a folder of this process's
 (mode 0700, removed on exit; a SIGKILL leaves it in the system's temporary folder) and its database
 readable by its user only.

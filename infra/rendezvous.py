@@ -2,7 +2,7 @@
 
 Every node of a learner runs torchrun, and torchrun needs one address all of them reach: node 0's
 rendezvous store. Node 0's torchrun binds it on the island's `network_interface` and announces
-the address on its output (infra/launch.py); node 0's launcher publishes it, write-once and signed
+the address on its output (`BoundRendezvous` below); node 0's launcher publishes it, write-once and signed
 like the learner's other records, in the island's store under `layout.rendezvous(learner, life)`;
 the other nodes' launchers wait for it, check it, and hand it to their torchrun.
 
@@ -17,16 +17,25 @@ What a record holds is only ever used as an address to connect to: an IP address
 from __future__ import annotations
 
 import ipaddress
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import psutil
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import StaticTCPRendezvous
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
 from infra import layout
 from infra.store import ObjectExists, ObjectStore
 from infra.store_errors import IntegrityError, StoreError
 
+# torchrun's name for `BoundRendezvous` (`--rdzv-backend`).
+BOUND_RENDEZVOUS = "archipelago-bound"
 # How long a node waits for the others: node 0's store for them to join, the others for its address.
 RENDEZVOUS_TIMEOUT_S = 600
 # How long a joining node gives a published address to answer before passing over it.
@@ -154,3 +163,52 @@ def answers(endpoint: Endpoint, wrapper: tuple[str, ...] = ()) -> bool:
         return subprocess.run(command, capture_output=True, timeout=ANSWER_TIMEOUT_S + 30).returncode == 0
     except subprocess.TimeoutExpired:
         return False
+
+
+class BoundRendezvous(StaticTCPRendezvous):
+    """torchrun's static rendezvous with its store listening on one address only (port 0: one the
+    kernel picks): 127.0.0.1, or for a learner on several nodes node 0's address on their network
+    interface, which node 0 announces on its output for its launcher to publish. torch binds a
+    store server to every interface unless handed a bound socket. The other nodes join it."""
+
+    def get_backend(self) -> str:
+        return BOUND_RENDEZVOUS
+
+    def next_rendezvous(self):
+        if not self._store and self.rank == 0:
+            family = socket.AF_INET6 if ":" in self.master_addr else socket.AF_INET
+            listener = socket.create_server((self.master_addr, 0), family=family)
+            self.master_port = listener.getsockname()[1]
+            if self.world_size > 1:
+                print(announcement(Endpoint(self.master_addr, self.master_port)), flush=True)
+            self._store = TCPStore(self.master_addr, self.master_port, self.world_size, True, self.timeout,
+                                   master_listen_fd=listener.detach())
+        return super().next_rendezvous()
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` as this process sees it (its network namespace),
+    else its IPv6 address that is not link-local."""
+    addresses = psutil.net_if_addrs().get(name)
+    if addresses is None:
+        raise ValueError(f"network interface {name!r} does not exist here (there are "
+                         f"{', '.join(sorted(psutil.net_if_addrs()))}): see islands[].network_interface")
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for entry in addresses:
+            if entry.family == family and not ipaddress.ip_address(entry.address.split("%")[0]).is_link_local:
+                return entry.address
+    raise ValueError(f"network interface {name!r} has no IP address to listen on")
+
+
+def bound_rendezvous(params: RendezvousParameters) -> BoundRendezvous:
+    rank, interface = params.get_as_int("rank", 0), params.get("interface")
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=-1)
+    if rank == 0 and interface:
+        host = interface_address(interface)
+    return BoundRendezvous(host, port, rank=rank, world_size=params.max_nodes, run_id=params.run_id,
+                           timeout=RENDEZVOUS_TIMEOUT_S)
+
+
+def register_bound_rendezvous() -> None:
+    """Make `BoundRendezvous` the backend torchrun starts under the name `BOUND_RENDEZVOUS`."""
+    rendezvous_handler_registry.register(BOUND_RENDEZVOUS, bound_rendezvous)

@@ -8,8 +8,8 @@ in the run's preflight); the ones that show only once the run is under way are t
 
 from __future__ import annotations
 
-from infra.launch import LearnerMisconfigured
 from infra.spec import SpecError
+from infra.supervision import LearnerMisconfigured
 
 
 def what_to_fix(err: BaseException) -> str | None:

@@ -23,9 +23,9 @@ from prefect.client.schemas.objects import TERMINAL_STATES
 from prefect.states import Cancelling
 from prefect.deployments import run_deployment
 
-from infra.launch import LearnersStopped, stopped_because
 from infra.spec import RunSpec
 from infra.stores import RunStores, open_run
+from infra.supervision import LearnersStopped, stopped_because
 from tasks.stage import stage
 from training.learner.ledger import finished
 
@@ -82,7 +82,7 @@ def run_segment(spec: RunSpec, run_id: str, island: str, n: int = 0, start_at: d
     its worker may start the process earlier, Prefect holds the flow until then) until its learners
     finish or `until`; waits for it and returns the completed flow run. Earlier segment flow runs of
     the island and run id that are not over are cancelled first. Refused once this process stopped
-    the run's learners (`infra.launch.stop_learners`)."""
+    the run's learners (`infra.supervision.stop_learners`)."""
     if (reason := stopped_because(run_id)) is not None:
         raise LearnersStopped(f"run {run_id}: not starting segment {n} of island {island}: {reason}")
     stop_segments(run_id, f"segment {n} of island {island} replaces it", island)

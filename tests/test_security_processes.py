@@ -19,10 +19,11 @@ import torch
 
 from training.model.registry import load_model
 from infra import layout
-from infra.launch import LearnerProcess, LearnersStopped, run_learner, stop_learners
+from infra.launch import LearnerProcess
 from infra.lease import LeaseLost, held_lease
 from infra.spec import parse_spec, spec_sha256
 from infra.store import IntegrityError, ObjectStore
+from infra.supervision import LearnersStopped, run_learner, stop_learners
 from tasks.training import learner_relay
 from training.baseline import train_baseline
 from training.consolidate import consolidate
@@ -120,7 +121,7 @@ def test_a_learner_dies_with_its_killed_launcher(tmp_path, processes):
     store_url, store = endless_learner_run(tmp_path, processes, learners=2)
     expected = 1 if processes == 1 else 1 + processes  # torchrun and its workers
     launcher = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from infra.launch import LearnerProcess, run_learner; "
+        [sys.executable, "-c", "import sys; from infra.launch import LearnerProcess; from infra.supervision import run_learner; "
          f"run_learner(LearnerProcess(0, {processes}, 1, spec_sha256=sys.argv[2]), sys.argv[1], None, 'r', print)",
          store_url, spec_sha256(store.get_json(layout.SPEC))], cwd=REPO)
     try:
@@ -338,7 +339,7 @@ def test_a_learner_inherits_neither_the_control_planes_api_string_nor_withheld_k
 def test_a_learner_of_a_lifecycle_that_lost_the_run_does_not_train_beside_the_next_ones(tmp_path):
     """The lifecycle that started a learner lost the lease and another took the run (term 1): a retry of
     the old lifecycle's learner task, started under term 0, exits at once instead of training twice."""
-    from infra.launch import LearnerFailed
+    from infra.supervision import LearnerFailed
     from infra.lease import SUPERSEDED, RunLease
 
     store_url, store = endless_learner_run(tmp_path, processes=1, run_id="fenced-term")

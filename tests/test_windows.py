@@ -6,9 +6,10 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from infra import layout
-from infra.launch import LearnerProcess, run_learner
+from infra.launch import LearnerProcess
 from infra.spec import SpecError, check_windows_ahead, parse_spec, spec_sha256
 from infra.store import ObjectStore
+from infra.supervision import run_learner
 from tests.test_lifecycle import TINY
 from training.data.shards import prepare_dataset
 from training.learner.loop import Learner

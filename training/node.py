@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import sys
 
-from infra.launch import LearnerFailed, learner_arguments, slurm_node_rank, started_spec
+from infra.launch import learner_arguments, slurm_node_rank, started_spec
+from infra.supervision import LearnerFailed
 from training.stages import train_learner_node
 
 

@@ -19,12 +19,12 @@ from datetime import datetime
 
 from infra import layout
 from infra.authority import foreign_signing_keys
-from infra.launch import (LearnerFailed, LearnerNodes, LearnerProcess, LearnersStopped, run_learner, srun_wrapper,
-                          threads_per_process)
+from infra.launch import LearnerProcess, srun_wrapper, threads_per_process
 from infra.rendezvous import RendezvousTimeout, announced, await_endpoint, publish
 from infra.spec import RunSpec, spec_sha256
 from infra.store import ObjectStore
 from infra.stores import RunStores, check_stores_reachable, foreign_writer_credentials, open_run
+from infra.supervision import LearnerFailed, LearnerNodes, LearnersStopped, run_learner
 from training.data.corpora import data_root
 from training.learner.ledger import finished
 from training.learner.state import Lives

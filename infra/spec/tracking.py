@@ -15,7 +15,7 @@ from pydantic import Field, model_validator
 
 from infra.spec.base import SpecModel
 
-# The variables trackers read their credentials from: withheld from learner processes (infra/launch.py).
+# The variables trackers read their credentials from: withheld from learner processes (infra/supervision.py).
 TRACKER_CREDENTIALS = ("WANDB_API_KEY", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD",
                        "MLFLOW_TRACKING_TOKEN", "DATABRICKS_TOKEN", "DATABRICKS_CLIENT_SECRET")
 

@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
-from infra.launch import LearnerProcess, island_cores, run_learner, stop_learners, threads_per_process
+from infra.launch import LearnerProcess, island_cores, threads_per_process
 from infra.spec import RunSpec, SpecError, parse_spec, spec_sha256
+from infra.supervision import run_learner, stop_learners
 from training.exchange.exchanger import first_crossing, mode_period
 from training.learner.ledger import read_summaries
 from training.model.registry import build_model
