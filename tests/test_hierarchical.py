@@ -12,7 +12,8 @@ from infra import layout
 from infra.spec import SpecError, parse_spec
 from infra.store import ObjectStore
 from tests.learners import assert_restart_continues_exactly
-from training.exchange.exchanger import Exchanger, crossing_slices
+from training.exchange.exchanger import Exchanger
+from training.exchange.modes import sync_mode
 from training.exchange.mixing import mean_over_islands, slice_bounds
 from training.exchange.transport import Transport
 from training.learner.ledger import read_summaries
@@ -232,7 +233,7 @@ def test_a_miss_leaves_the_peer_out_and_is_recorded(tmp_path):
     anchors = [x.anchors() for x in group.exchangers]
     assert torch.equal(group.weights[0], group.weights[1]) and torch.equal(anchors[0], anchors[1])
     index = group.exchangers[0].fragment_of(0).index
-    _, half = crossing_slices(spec, group.exchangers[0].layout.sizes)[0][0]
+    _, half = sync_mode(spec, group.exchangers[0].layout.sizes).slices[0][0]
     assert torch.equal(anchors[0][index[:half]], anchors[2][index[:half]])
     assert not torch.equal(anchors[0][index[half:]], anchors[2][index[half:]])
     assert all(bool(torch.isfinite(w).all()) for w in group.weights[:3])
@@ -258,7 +259,7 @@ def test_the_spec_takes_inter_island_every_and_refuses_a_fragment_too_small_to_s
     spec = spec_of(tmp_path, every=3)
     assert spec.sync.mode == "hierarchical" and spec.sync.inter_island_every == 3
     with pytest.raises(ValueError, match="fragment 0 has 1 parameters, fewer than island island-0's 2 learners"):
-        crossing_slices(spec, [1, 100])
+        sync_mode(spec, [1, 100])
     raw = spec.model_dump(mode="json")
     raw["sync"]["mode"] = "allreduce"
     with pytest.raises(SpecError, match="inter_island_every"):

@@ -9,37 +9,36 @@ import yaml
 from infra.spec import SpecError, load_spec, parse_spec
 from training.exchange.fragments import exchange_count
 from training.exchange.mixing import stage_count
-from training.exchange.exchanger import Butterfly
+from training.exchange.compression import Codec
+from training.exchange.modes import Butterfly
+from training.exchange.topology import Topology
 
 BRIEF = Path(__file__).resolve().parents[1] / "configs" / "brief.yaml"
 
 
-def links_of(islands: list[int]) -> list[list[str]]:
-    """Each learner's view of every peer's link class, from learners' island sizes in order."""
-    island = [n for n, size in enumerate(islands) for _ in range(size)]
-    return [["intra" if island[p] == island[me] else "inter" for p in range(len(island))] for me in range(len(island))]
+def butterfly(islands: list[int], fragments: int, every: int = 1) -> Butterfly:
+    """A butterfly over islands of these sizes, learners numbered island by island."""
+    members, first = [], 0
+    for size in islands:
+        members.append(tuple(range(first, first + size)))
+        first += size
+    topology = Topology(tuple(members), tuple(f"island-{n}" for n in range(len(islands))), (1,) * first)
+    return Butterfly(topology, Codec(), fragments, every)
 
 
 @pytest.mark.parametrize("islands,fragments,every", [([4, 4], 2, 3), ([4, 4], 1, 2), ([2, 2], 2, 4), ([3, 5], 1, 3)])
 def test_crossing_pairs_exchange_only_in_every_kth_cycle_and_partners_agree(islands, fragments, every):
-    links, mode = links_of(islands), Butterfly()
-    learners = len(links)
+    mode, plain_mode = butterfly(islands, fragments, every), butterfly(islands, fragments)
+    learners = sum(islands)
     for t in range(4 * every * stage_count(learners) * fragments):
         crossing_cycle = (exchange_count(t, fragments) // stage_count(learners)) % every == every - 1
         for me in range(learners):
-            peers = mode.peers(me, t, fragments, links[me], every)
-            plain = mode.peers(me, t, fragments, links[me])
-            assert all(me in mode.peers(p, t, fragments, links[p], every) for p in peers)
-            if plain and links[me][plain[0]] == "inter":
+            peers, plain = mode.peers(me, t), plain_mode.peers(me, t)
+            assert all(me in mode.peers(p, t) for p in peers)
+            if plain and mode.topology.links(me)[plain[0]] == "inter":
                 assert peers == (plain if crossing_cycle else [])
             else:
                 assert peers == plain  # pairs within an island are untouched
-
-
-def test_every_one_is_the_plain_butterfly():
-    links, mode = links_of([4, 4]), Butterfly()
-    assert all(mode.peers(me, t, 2, links[me], 1) == mode.peers(me, t, 2, links[me])
-               for t in range(24) for me in range(8))
 
 
 def test_inter_island_every_needs_butterfly_and_names_the_field():

@@ -79,7 +79,7 @@ def test_weighted_mean_weights_each_learner_by_the_tokens_it_processed():
 
 def test_partner_wait_is_bounded_by_a_round_of_own_compute_when_asked():
     from infra.spec.sync import SyncSpec
-    from training.exchange.exchanger import partner_wait_s
+    from training.exchange.plan import partner_wait_s
 
     assert partner_wait_s(SyncSpec(rounds=3, partner_timeout_s=600), 12.0) is None  # per-peer timeout as before
     bounded = SyncSpec(rounds=3, partner_timeout_s=600, partner_wait_rounds=1.0)

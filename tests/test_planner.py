@@ -12,7 +12,7 @@ from infra.store import ObjectStore
 from training.exchange.transport import Transport
 from training.exchange.compression import Codec
 from training.planning.planner import bandwidth_for, fragment_sizes, message_bytes, message_requests, plan_run, replay
-from training.exchange.exchanger import SYNC_MODES
+from training.exchange.modes import MODES
 
 
 def spec_of(mode="butterfly", fragments=1, tau=0, compression="none", islands=2, learners=2, rounds=6, steps=(4, 2),
@@ -36,7 +36,7 @@ def test_a_message_is_planned_at_the_bytes_the_transport_reads(tmp_path, mode, c
     transport = Transport(ObjectStore(str(tmp_path)))
     for fragment, numel in enumerate(fragment_sizes(spec)):
         payload = {}
-        for name in SYNC_MODES[mode].fields:
+        for name in MODES[mode].fields:
             payload.update({name: torch.randn(numel)} if codec.lossless else
                            codec.encode(name, torch.randn(numel), sparsify=name != "anchor"))
         key = f"learners/001/round-0000{fragment}/message" + (f"-fragment-{fragment:03d}" if fragments > 1 else "")
@@ -56,7 +56,7 @@ def test_a_message_is_planned_at_the_requests_the_transport_makes(tmp_path, chun
     transport = Transport(ObjectStore(str(tmp_path)), chunk_bytes=chunk_bytes)
     numel = fragment_sizes(spec)[0]
     key = "learners/001/round-00000/message"
-    transport.send(key, {n: torch.randn(numel) for n in SYNC_MODES["butterfly"].fields},
+    transport.send(key, {n: torch.randn(numel) for n in MODES["butterfly"].fields},
                           {"learner": 1, "round": 0, "tokens": spec.learners[1].tokens_per_round(), "fragment": 0,
                            "anchor_from_initial": False}, "inter")
     assert transport.fetch(1, key, "inter", 1 << 30, 1.0, give_up=lambda: False) is not None

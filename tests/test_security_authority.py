@@ -19,6 +19,7 @@ from training.data.shards import prepare_dataset
 from training.learner.loop import Learner
 from training.learner.ledger import finished, read_summaries
 from training.exchange.outer import OuterOptimizer, StateRejected
+from training.exchange.plan import message_key
 from training.model.params import flat_parameters
 from training.learner.retention import Retention
 from training.learner.state import CheckpointRejected, Lives
@@ -136,7 +137,7 @@ def test_a_valid_looking_or_malformed_message_costs_one_exchange(two_learner_run
                                   transport={"compression": "int8"} if attack == "huge_scale" else {})
     sender, receiver = Learner(spec, store, 1), Learner(spec, store, 0)
     anchor = flat_parameters(sender.model)
-    key = receiver.exchanger._message_key(1, 0)
+    key = message_key(len(receiver.exchanger.fragments), 1, 0)
     if attack in ("huge_scale", "huge_values"):
         published = sender.exchanger.publish(0, anchor, torch.full_like(anchor, 1e-3))
         payload, meta, _ = receiver.transport.fetch(1, key, "inter", 1 << 30, 1.0, give_up=lambda: False)

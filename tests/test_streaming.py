@@ -48,7 +48,7 @@ def test_each_round_sends_one_fragment_as_its_own_object_and_mixes_it(run):
     # their weights hold their own progress since, and round 2's exchange is still in flight.
     assert torch.equal(learners[0].exchanger.anchors(), learners[1].exchanger.anchors())
     assert not torch.equal(flat_parameters(learners[0].model), flat_parameters(learners[1].model))
-    assert learners[0].pending.round == 2
+    assert learners[0].sync.pending.round == 2
     index = learners[0].exchanger.fragments[0].index
     residual = learners[0].exchanger.feedback.residual["delta"]
     assert torch.count_nonzero(residual[index]) > 0
@@ -73,7 +73,7 @@ def test_a_learner_killed_with_an_exchange_in_flight_applies_it_exactly_once(run
     step_both(learners, range(2))  # each checkpoint of round 1 holds round 1's exchange in flight
     restarted = Learner(spec, store, 0)
     restarted.resume()
-    assert restarted.start_round == 2 and restarted.pending.round == 1
+    assert restarted.start_round == 2 and restarted.sync.pending.round == 1
     # The learner that never died serves as the reference; only the restarted one may write round 2's checkpoint.
     monkeypatch.setattr(learners[0].checkpoints, "write", lambda key, tensors, meta: None)
     for learner in (learners[0], restarted, learners[1]):
@@ -96,7 +96,7 @@ def test_a_learner_that_rejoins_from_a_peer_drops_its_exchange_and_residual(run)
     late = Learner(spec, store, 0)
     late.resume()
     assert late.rejoined_from == {"learner": 1, "round": 2}
-    assert late.pending is None
+    assert late.sync.pending is None
     assert all(torch.count_nonzero(r) == 0 for r in late.exchanger.feedback.residual.values())
 
 

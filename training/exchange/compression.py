@@ -44,6 +44,26 @@ class Codec:
     def lossless(self) -> bool:
         return self.scheme == "none" and self.topk == 1.0
 
+    @property
+    def anchor_relative(self) -> bool:
+        """Whether an anchor travels as its difference from a reference every learner holds (the run's
+        initial weights, which each rebuilds from the seed): a lossy codec then spends its levels on what
+        training changed rather than on the weights themselves. Exact anchors travel as they are."""
+        return not self.lossless
+
+    def to_wire(self, fields: dict[str, torch.Tensor], reference: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`fields` as they are encoded: an anchor relative to `reference` (its positions' values) where
+        `anchor_relative` says so."""
+        if not self.anchor_relative or "anchor" not in fields:
+            return fields
+        return {**fields, "anchor": fields["anchor"] - reference}
+
+    def from_wire(self, fields: dict[str, torch.Tensor], reference: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What `to_wire` took away, given back to a decoded message."""
+        if not self.anchor_relative or "anchor" not in fields:
+            return fields
+        return {**fields, "anchor": fields["anchor"] + reference}
+
     def encode(self, name: str, vector: torch.Tensor, sparsify: bool = True) -> dict[str, torch.Tensor]:
         """Payload tensors for one field, named `name` or `name.<part>`."""
         vector = vector.detach().float().reshape(-1).cpu()

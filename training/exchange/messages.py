@@ -58,7 +58,7 @@ class ExpectedMessage:
     tokens: int
     numel: int  # elements of the fragment
     fields: tuple[str, ...]  # ("anchor", "delta") for butterfly pairs, ("delta",) for means of Δ, ("anchor",) for crossings
-    anchor_from_initial: bool  # compressed anchors travel as their difference from the initial weights
+    anchor_from_initial: bool  # the anchor travels relative to the initial weights (`Codec.anchor_relative`)
     slice_index: int | None = None  # a hierarchical crossing's message: the sender's slice of its island's fragment
     mixed: bool = False  # a slice's islands' mean, shared inside the island after a crossing
 

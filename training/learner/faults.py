@@ -29,8 +29,20 @@ class LearnerFaults:
         """Markers go to the run's store (the report counts them there); a corrupt message to the learner's own."""
         self.spec, self.stores, self.learner = spec, stores, learner
 
-    def closes_windows(self) -> bool:
-        return bool(self.spec.faults_of(CloseWindow))
+    def attach(self, learner) -> None:
+        """Arm the spec's faults on a `training.learner.loop.Learner`, from outside its loop: a kill halfway
+        through a round's inner steps as a hook after a step, a corrupt message just before it is
+        written, a capacity window that ends after a round. Rank 0 alone strikes; its group follows."""
+        lead = learner.rank == 0
+        if self.spec.faults_of(CloseWindow):  # every rank of the group asks, and hears rank 0's answer
+            learner.window_ends_after = self.window_closes_after if lead else lambda round_index: False
+        if not lead:
+            return
+        learner.exchanger.before_publish = self.maybe_corrupt
+        if self.spec.faults_of(KillLearner):
+            halfway = self.spec.learners[self.learner].island.inner_steps // 2 + 1
+            learner.after_step.append(lambda round_index, steps_done: steps_done == halfway and
+                                      self.maybe_die(round_index))
 
     def window_closes_after(self, round_index: int) -> bool:
         return self.spec.fault_at(CloseWindow, self.learner, round_index) is not None and \

@@ -98,7 +98,7 @@ class Ledger:
         self.rounds[-1]["checkpoint_s"] = seconds
 
     def book_exchange(self, round_index: int, fragment: int, result, blocked_s: float) -> None:
-        """What an applied exchange (a `training.exchange.exchanger.ExchangeResult`) sent, read and missed."""
+        """What an applied exchange (a `training.exchange.plan.ExchangeResult`) sent, read and missed."""
         self.bytes_written += result.bytes_sent
         self.bytes_read_intra += result.bytes_read["intra"]
         self.bytes_read_inter += result.bytes_read["inter"]

@@ -6,10 +6,11 @@ that share its model as its island's parallelism says (`training.model.parallel`
 sharded with FSDP2). Rank 0 owns all store traffic; the other ranks only compute, take part in
 gathering what rank 0 sends and checkpoints, and receive each round's new weights from rank 0.
 
-A round: H AdamW steps from the anchor, then this round's fragment goes to the exchanger
-(`training.exchange.exchanger`), which sends and receives on the transport thread while the next round
-computes; the exchange is applied `sync.transport.tau` inner steps later (at once with tau 0).
-Then a checkpoint of the whole state (`training.learner.state`), an exchange in flight included, so a
+A round: H AdamW steps from the anchor, each a plain step (forward, backward, optimizer step) followed
+by the hooks after a step; then this round's fragment goes to the exchange (`training.learner.sync`),
+which sends and receives on the transport thread while the next round computes and is applied from
+its hook `sync.transport.tau` inner steps later (at once with tau 0). Injected faults attach from
+outside (`training.learner.faults.LearnerFaults.attach`). Then a checkpoint of the whole state (`training.learner.state`), an exchange in flight included, so a
 restarted learner resumes from it and applies that exchange exactly once; after the rounds the bpb
 curve scores, the weights alone as well, which outlive the round's checkpoint. A learner stops
 before a round that would not end inside its capacity window; the next window's segment resumes it.
@@ -17,7 +18,6 @@ before a round that would not end inside its capacity window; the next window's 
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable
@@ -34,7 +34,6 @@ from training.exchange.transport import Transport
 from infra.spec.windows import round_fits
 from training.data.streams import WindowSampler, read_stream
 from training.events import emit
-from training.learner.faults import LearnerFaults
 from training.model.inner import forward_precision, inner_optimizer, optimizer_step
 from training.learner.ledger import Ledger, LearnerSummary, StepValues, peak_memory_bytes, step_stride, write_summary
 from training.model.registry import initial_model
@@ -43,11 +42,10 @@ from training.model.params import flat_parameters
 from training.learner.retention import Retention
 from training.model.schedule import curve_rounds, learning_rate
 from training.learner.state import Checkpointer, LearnerState, Lives, choose_resume_point, own_ledger
-from training.exchange.exchanger import Exchange, Exchanger, partner_wait_s
+from training.exchange.exchanger import Exchanger
+from training.learner.sync import LearnerDiverged, RoundSync
 
-
-class LearnerDiverged(RuntimeError):
-    """The learner's own training produced non-finite values; a message of them would poison every peer."""
+__all__ = ["Learner", "LearnerDiverged"]
 
 
 class Learner:
@@ -67,14 +65,18 @@ class Learner:
         self.inner = inner_optimizer(self.model.parameters(), spec.training.lr, spec.training.weight_decay)
         self.transport = Transport.of(self.store, spec.sync.transport, read_from=self.stores.learner)
         self.lives = Lives(self.stores.learner, spec.sync.rounds)
-        self.faults = LearnerFaults(spec, self.stores, index)
-        self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, initial,
-                                   skipped=self.lives.skipped_by, before_publish=self.faults.maybe_corrupt)
+        self.exchanger = Exchanger(spec, self.slot, self.transport, self.model, initial, skipped=self.lives.skipped_by)
         parameters = dict(self.model.named_parameters())
-        # Each fragment's parameters in flat order: a fragment's weights are read and written through
-        # them, never through a copy of the whole model.
-        self.fragment_parameters = [[parameters[name] for name in names] for names in self.exchanger.layout.names]
         self.ledger = Ledger()
+        self.sync = RoundSync(self.exchanger, self.parallel,
+                              [[parameters[name] for name in names] for names in self.exchanger.layout.names],
+                              self.ledger, spec.sync, lead=rank == 0)
+        # Called after every inner optimizer step with (round, steps done in it): the exchange's, and
+        # whatever attaches from outside (injected faults).
+        self.after_step = [self.sync.after_step]
+        # Whether a capacity window ends right after a round, as an injected fault says on rank 0 (None:
+        # none does, and the group need not agree on it each round).
+        self.window_ends_after: Callable[[int], bool] | None = None
         self.step_stride = step_stride(self.slot.island.inner_steps * spec.sync.rounds)
         self.state = LearnerState(self.model, self.inner, self.exchanger, self.ledger, self.transport, self.parallel)
         # The bpb curve scores the learners' weights after these rounds once training is over.
@@ -83,8 +85,6 @@ class Learner:
                                         spec.sync.transport.checkpoint_in_background,
                                         Retention(self.stores.learner, index, len(spec.learners), spec.training.keep_checkpoints))
         self.checkpointed = -1  # the newest round this life has checkpointed
-        self.pending: Exchange | None = None
-        self._sync_seconds = 0.0
         shard = read_stream(self.store, self.stores.run.get_json(layout.DATA_MANIFEST)["shards"][index])
         self.sampler = WindowSampler(shard, self.slot.island.seq_len, seed=spec.seed)
         # Every rank draws the learner's whole batch and trains on its share of the rows: the learner
@@ -129,11 +129,8 @@ class Learner:
             self.transport.load_report(self.ledger.links, self.ledger.stores)
         if learner != self.slot.index:
             self.exchanger.feedback.reset()
-        elif meta.get("pending") is not None:
-            self.pending = Exchange(meta["pending"]["round"], meta["pending"]["fragment"])
-            sent = self._fragment_weights(self.pending.fragment)
-            if self.rank == 0:
-                self.pending = self.exchanger.start(self.pending.round, sent)
+        else:
+            self.sync.resume(meta.get("pending"))
         self.start_round = t + 1
         self.rejoined_from = {"learner": learner, "round": t}
         emit("resumed", learner=self.slot.index, from_learner=learner, round=t)
@@ -171,31 +168,15 @@ class Learner:
         return True
 
     def run_round(self, t: int) -> float:
-        """Inner steps (applying the previous exchange tau steps in), send this round's fragment,
-        checkpoint. Returns the mean inner loss."""
+        """Inner steps, the round's end to the exchange, checkpoint. Returns the mean inner loss."""
         round_started = time.monotonic()
-        self._sync_seconds = 0.0
+        self.sync.begin_round()
         loss, steps = self.inner_steps(t)
-        if self.pending is not None:  # tau equals this island's inner steps
-            self._apply_pending()
-        sending = time.monotonic()
-        wait = partner_wait_s(self.spec.sync, sending - round_started - self._sync_seconds)
-        sent = self._fragment_weights(self.exchanger.fragment_of(t).number)
-        if self.rank == 0:
-            if not math.isfinite(loss) or not bool(torch.isfinite(sent).all()):
-                raise LearnerDiverged(f"learner {self.slot.index} round {t + 1}: its inner loss ({loss}) or weights are "
-                                      "not finite; stopping instead of sending them to its peers")
-            self.pending = self.exchanger.start(t, sent, None if wait is None else sending + wait)
-        else:
-            self.pending = Exchange(t, self.exchanger.fragment_of(t).number)
-        self._sync_seconds += time.monotonic() - sending
-        # The last round's mix is waited for: the final checkpoints are what consolidation averages.
-        if self.exchanger.due(0) or t == self.spec.sync.rounds - 1:
-            self._apply_pending()
+        self.sync.end_round(t, loss, round_started, last=t == self.spec.sync.rounds - 1)
         # Syncing is what the learner spent not computing: queueing the send and applying mixes,
         # including any wait for a message still on the link.
         self.ledger.book_round(t, self.exchanger.fragment_of(t).number, loss,
-                               time.monotonic() - round_started - self._sync_seconds, self._sync_seconds, steps)
+                               time.monotonic() - round_started - self.sync.seconds, self.sync.seconds, steps)
         # One copy of the whole model (on rank 0), for the rounds that keep it.
         keeps = t in self.curve_rounds or self._checkpoint_due(t)
         weights = self.parallel.gather(list(self.model.parameters())) if keeps else None
@@ -214,7 +195,7 @@ class Learner:
     def _checkpoint(self, t: int, weights: torch.Tensor | None) -> None:
         """Every rank calls it (a sharded learner gathers its optimizer state); rank 0 writes it.
         `weights`: the model's flat parameters as `parallel.gather` gave them."""
-        state = self.state.state_dict(self.pending, weights)
+        state = self.state.state_dict(self.sync.pending, weights)
         if self.rank == 0:
             tensors, meta = state
             self.checkpoints.write(t, tensors, {**meta, "round": t})
@@ -229,40 +210,22 @@ class Learner:
         self.sampler.generator.manual_seed(hash((self.spec.seed, self.slot.index, 0, round_index)) & 0x7FFF_FFFF_FFFF_FFFF)
         losses, kept = [], StepValues()
         for h in range(island.inner_steps):
+            step = round_index * island.inner_steps + h
+            lr = learning_rate(step, total, self.spec.training.lr, self.spec.training.warmup_steps)
             inputs, targets = (rows[self.my_rows] for rows in self.sampler.batch(island.batch_size))
             with forward_precision(self.device, island.precision):
                 loss = self.model.loss(inputs.to(self.device), targets.to(self.device))
             self.inner.zero_grad(set_to_none=False)
             loss.backward()
             self.parallel.sync_gradients(self.model)
-            step = round_index * island.inner_steps + h
-            lr = learning_rate(step, total, self.spec.training.lr, self.spec.training.warmup_steps)
             grad_norm = optimizer_step(self.model, self.inner, lr)
             losses.append(loss.item())
             if (step + 1) % self.step_stride == 0:
                 kept.keep(step, losses[-1], lr, grad_norm, peak_memory_bytes(self.device))
             watchdog.progress()
-            if self.pending is not None and self.exchanger.due(h + 1):
-                self._apply_pending()
-            if h == island.inner_steps // 2 and self.rank == 0:
-                self.faults.maybe_die(round_index)
+            for hook in self.after_step:
+                hook(round_index, h + 1)
         return sum(losses) / len(losses), kept
-
-    def _apply_pending(self) -> None:
-        """Apply the exchange in flight; rank 0 computes the fragment's new weights and tells the others."""
-        exchange, self.pending = self.pending, None
-        began = time.monotonic()
-        fragment_weights = self._fragment_weights(exchange.fragment)
-        if self.rank == 0:
-            fragment_weights, result = self.exchanger.apply(exchange, fragment_weights)
-            self.ledger.book_exchange(exchange.round, exchange.fragment, result, time.monotonic() - began)
-        self.parallel.scatter(fragment_weights, self.fragment_parameters[exchange.fragment])
-        self._sync_seconds += time.monotonic() - began
-
-    def _fragment_weights(self, fragment: int) -> torch.Tensor | None:
-        """A copy of a fragment's weights, on the CPU, in the order of its index in the flat vector, on
-        rank 0 (None on the others). Every rank calls it: a sharded learner gathers the fragment."""
-        return self.parallel.gather(self.fragment_parameters[fragment])
 
     def _write_summary(self) -> None:
         summary = LearnerSummary.of(
@@ -283,8 +246,9 @@ class Learner:
 
     def _window_cut_short(self, round_index: int) -> bool:
         """Fault injection: the capacity window ends right after this round; rank 0 decides for its group."""
-        cut = self.faults.closes_windows() and self.rank == 0 and self.faults.window_closes_after(round_index)
-        return self.faults.closes_windows() and bool(self._from_rank0((int(cut),))[0])
+        if self.window_ends_after is None:
+            return False
+        return bool(self._from_rank0((int(self.window_ends_after(round_index)),))[0])
 
     def _window_closed(self, next_round: int, until: str) -> None:
         """The next window resumes from the last round this one finished: it is checkpointed, whatever

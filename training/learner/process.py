@@ -27,7 +27,7 @@ from infra.launch import MISCONFIGURED, WINDOW_CLOSED, learner_arguments, starte
 from infra.retry import RetryPolicy
 from infra.store import ObjectStore
 from infra.stores import RunStores
-from training.learner.faults import store_faults
+from training.learner.faults import LearnerFaults, store_faults
 from training.learner.loop import Learner
 def main(argv: list[str] | None = None) -> int:
     parser = learner_arguments("Run one Archipelago learner.")
@@ -56,8 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     if world > 1:
         dist.init_process_group("nccl" if spec.learners[args.learner].island.device == "cuda" else "gloo")
     try:
-        learner = Learner(spec, RunStores(spec, store, faults, reader=island),
-                          args.learner, rank, world)
+        stores = RunStores(spec, store, faults, reader=island)
+        learner = Learner(spec, stores, args.learner, rank, world)
+        LearnerFaults(spec, stores, args.learner).attach(learner)
         learner.resume()
         finished = learner.run(args.until)
     finally:

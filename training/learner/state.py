@@ -25,7 +25,8 @@ from training.exchange.messages import short
 from training.exchange.outer import StateRejected
 from training.model.parallel import LearnerParallelism
 from training.learner.retention import Retention, checkpoint_rounds
-from training.exchange.exchanger import Exchange, Exchanger
+from training.exchange.exchanger import Exchanger
+from training.exchange.plan import Exchange
 
 
 class RecordRejected(ValueError):

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from infra.spec import RunSpec
 from infra.spec.island import IslandSpec
-from training.exchange.exchanger import CROSSING, SYNC_MODES, island_links, message_codec, mode_period, residual_fields
+from training.exchange.modes import sync_mode
 from training.planning.memory import FP32, GB, ModelSizes, gigabytes, model_sizes
 
 # Where a container's memory limit is, under cgroup v2 and v1.
@@ -53,9 +53,9 @@ def this_host_bytes() -> int:
 def residual_bytes(spec: RunSpec, parameters: int) -> int:
     """The error-feedback residual: one vector per message field, kept only where feedback is on and the
     codec drops something (`training.exchange.compression.ErrorFeedback`)."""
-    transport = spec.sync.transport
-    lossy = transport.error_feedback and not message_codec(spec, CROSSING).lossless
-    return len(residual_fields(spec)) * FP32 * parameters if lossy else 0
+    mode = sync_mode(spec)
+    lossy = spec.sync.transport.error_feedback and not mode.run_codec.lossless
+    return len(mode.residual_fields()) * FP32 * parameters if lossy else 0
 
 
 def exchange_state(spec: RunSpec, sizes: ModelSizes) -> dict[str, int]:
@@ -76,17 +76,16 @@ def checkpoint_staging(spec: RunSpec, sizes: ModelSizes) -> int:
 
 def peers_per_exchange(spec: RunSpec, island: IslandSpec) -> int:
     """The most peers whose messages a learner of `island` holds at once, over the mode's period."""
-    mode, sync = SYNC_MODES[spec.sync.mode], spec.sync
+    mode = sync_mode(spec)
     me = next(slot.index for slot in spec.learners if slot.island.name == island.name)
-    links = island_links(spec, me)
-    return max(len(mode.peers(me, t, sync.transport.fragments, links, sync.inter_island_every))
-               for t in range(mode_period(spec)))
+    return max(len(mode.peers(me, t)) for t in range(mode.period()))
 
 
 def exchange_in_flight(spec: RunSpec, island: IslandSpec, sizes: ModelSizes) -> int:
     """What one exchange holds on rank 0's host while it is in flight (see the module's docstring)."""
-    fields = len(SYNC_MODES[spec.sync.mode].fields)
-    decoded = 0 if message_codec(spec, CROSSING).lossless else fields  # lossless: the fields themselves
+    mode = sync_mode(spec)
+    fields = len(mode.fields)
+    decoded = 0 if mode.run_codec.lossless else fields  # lossless: the fields themselves
     residuals = fields if residual_bytes(spec, 1) else 0
     vectors = 2 + decoded + residuals + peers_per_exchange(spec, island) * fields + 3
     outer_share = sizes.outer_state * sizes.largest_fragment // sizes.parameters

@@ -30,8 +30,8 @@ from training.exchange.fragments import assign_fragments, fragment_of_round
 from training.model.registry import build_model
 from training.planning.profile import check_profiling_fits_here, measure_step_seconds
 from training.planning.windows import Stretch, WindowedClock, windows_plan
-from training.exchange.exchanger import (CROSSING, MIXED, ROUND, SYNC_MODES, Hierarchical, crossing_slices,
-                                         expected_message, island_links, message_codec, message_key)
+from training.exchange.modes import SyncMode, sync_mode
+from training.exchange.plan import ROUND, expected_message, message_key
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
 # Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
@@ -61,10 +61,10 @@ def fragment_sizes_of(model: torch.nn.Module, spec: RunSpec) -> list[int]:
 def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0, kind: str = ROUND) -> int:
     """Bytes a learner reads for one peer's message of `kind` of a fragment of `numel` elements (a
     hierarchical crossing's and mixed slice's: of a slice of `numel` elements): the tensors as the
-    message's codec (`message_codec`) encodes them, and the JSON commit that points at them."""
-    settings = spec.sync.transport
-    codec = message_codec(spec, kind)
-    expected = expected_message(spec, learner, round_index, numel, kind)
+    message's codec (`SyncMode.codec`) encodes them, and the JSON commit that points at them."""
+    settings, mode = spec.sync.transport, sync_mode(spec)
+    codec = mode.codec(kind)
+    expected = expected_message(mode, learner, round_index, numel, kind)
 
     def tensors(n: int) -> int:
         payload: dict[str, torch.Tensor] = {}
@@ -86,23 +86,24 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
 
 
 @dataclass(frozen=True)
-class Crossings:
-    """Per fragment, per learner, in hierarchical mode: the slice of the fragment it carries across
-    islands, and the bytes of its crossing's message and of its mixed slice's."""
+class MessageSizes:
+    """Bytes of each message a run's rounds write: per kind of message (`training.exchange.plan`), per
+    fragment, per learner (a hierarchical crossing's carry a learner's slice of the fragment)."""
 
-    slices: list[list[tuple[int, int]]]
-    crossing_bytes: list[list[int]]
-    mixed_bytes: list[list[int]]
+    bytes: dict[str, list[list[int]]]
 
     @classmethod
-    def of(cls, spec: RunSpec, sizes: list[int]) -> "Crossings | None":
-        """The crossings of a run whose fragments have `sizes` elements; None outside hierarchical mode."""
-        if spec.sync.mode != "hierarchical":
-            return None
-        slices = crossing_slices(spec, sizes)
-        return cls(slices, *([[message_bytes(spec, end - start, learner, round_index=fragment, kind=kind)
-                               for learner, (start, end) in enumerate(bounds)]
-                              for fragment, bounds in enumerate(slices)] for kind in (CROSSING, MIXED)))
+    def of(cls, spec: RunSpec, mode: SyncMode) -> "MessageSizes":
+        """The messages of `mode` (built with its fragments' sizes) over a period of its rounds."""
+        kinds = {phase.kind for t in range(mode.period()) for phase in mode.phases(0, t)}
+        sizes = {kind: [[message_bytes(spec, end - start, learner, round_index=fragment, kind=kind)
+                         for learner in range(mode.topology.learners)
+                         for start, end in [mode.span(fragment, learner, kind)]]
+                        for fragment in range(mode.fragments)] for kind in sorted(kinds - {ROUND})}
+        # Every learner's round message of a fragment is sized as learner 0's of round 0: theirs differ
+        # only in a few characters of their commits.
+        sizes[ROUND] = [[message_bytes(spec, size)] * mode.topology.learners for size in mode.fragment_sizes]
+        return cls(sizes)
 
 
 def message_requests(spec: RunSpec, nbytes: int) -> int:
@@ -130,16 +131,13 @@ class LearnerPlan:
 
 
 def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
-           sizes_bytes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None,
-           crossings: Crossings | None = None) -> list[LearnerPlan]:
+           sizes: MessageSizes | None = None, round_overhead_s: dict[str, float] | None = None) -> list[LearnerPlan]:
     """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
     windows, each computes only inside its island's (`training.planning.windows`)."""
     slots = spec.learners
-    settings, mode = spec.sync.transport, SYNC_MODES[spec.sync.mode]
-    links_of = [island_links(spec, s.index) for s in slots]
-    sizes_bytes = sizes_bytes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
-    if isinstance(mode, Hierarchical):
-        crossings = crossings or Crossings.of(spec, fragment_sizes(spec))
+    settings, mode = spec.sync.transport, sync_mode(spec, fragment_sizes(spec))
+    links_of = [mode.topology.links(s.index) for s in slots]
+    sizes = sizes or MessageSizes.of(spec, mode)
     plans = [LearnerPlan(s.index, s.island.name) for s in slots]
     windows = [WindowedClock(spec, plan) for plan in plans]
     clock = [0.0] * len(slots)
@@ -185,16 +183,11 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             sent.append(clock[s.index])
         fragment = fragment_of_round(t, settings.fragments)
         ready = list(sent)
-        peers = [mode.peers(s.index, t, settings.fragments, links_of[s.index], spec.sync.inter_island_every)
-                 for s in slots]
-        read(ready, sent, peers, [sizes_bytes[fragment]] * len(slots))
-        if isinstance(mode, Hierarchical) and mode.crosses(t, settings.fragments, spec.sync.inter_island_every):
-            # Each learner commits its slice once its island's mean is taken and reads the other islands'
-            # of the same elements; then commits the slice's mix, if its island has others to read it.
-            slices = crossings.slices[fragment]
-            read(ready, list(ready), [mode.crossing_sources(s.index, links_of[s.index], slices) for s in slots],
-                 crossings.crossing_bytes[fragment])
-            read(ready, list(ready), peers, crossings.mixed_bytes[fragment], writes=[bool(p) for p in peers])
+        # Each phase's messages are committed once the phase before it is read (in hierarchical mode, a
+        # crossing's slice once its island's mean is taken, then the slice's mix).
+        for phases in zip(*(mode.phases(s.index, t) for s in slots)):
+            read(ready, list(ready), [phase.sources for phase in phases], sizes.bytes[phases[0].kind][fragment],
+                 writes=[phase.writes for phase in phases])
         for s, plan in zip(slots, plans):
             if settings.tau == 0 or t == spec.sync.rounds - 1:
                 wait = max(0.0, ready[s.index] - clock[s.index])
@@ -218,17 +211,15 @@ def steady_utilisation(plans: list[LearnerPlan]) -> float:
 
 
 def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float,
-                  sizes: list[int] | None = None, round_overhead_s: dict[str, float] | None = None,
-                  crossings: Crossings | None = None) -> float | None:
+                  sizes: MessageSizes | None = None, round_overhead_s: dict[str, float] | None = None) -> float | None:
     """The slowest link (bit/s) at which the run keeps `goal` utilisation; None when even an
     unlimited link does not (the islands wait on each other's compute, or on their own rounds'
-    overhead). `sizes`: each fragment's message bytes, and `crossings` the crossings' (`Crossings.of`),
+    overhead). `sizes`: the run's messages' bytes (`MessageSizes.of`),
     when the caller has them."""
-    sizes = sizes or [message_bytes(spec, n) for n in fragment_sizes(spec)]
-    crossings = crossings or Crossings.of(spec, fragment_sizes(spec))
+    sizes = sizes or MessageSizes.of(spec, sync_mode(spec, fragment_sizes(spec)))
 
     def utilisation(link_bps: float) -> float:
-        return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossings))
+        return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s))
 
     if utilisation(1e18) < goal:
         return None
@@ -249,9 +240,8 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
     if missing:
         raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
     fragments = fragment_sizes(spec)
-    sizes = [message_bytes(spec, n) for n in fragments]
-    crossings = Crossings.of(spec, fragments)
-    plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s, crossings)
+    sizes = MessageSizes.of(spec, sync_mode(spec, fragments))
+    plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s)
     islands = {}
     for island in spec.islands:
         mine = [p for p in plans if p.island == island.name]
@@ -273,8 +263,7 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
         "wall_s": startup_s + max(p.round_ends[-1] for p in plans) + teardown_s,
         "overheads": {"startup_s": startup_s, "round_overhead_s": round_overhead_s or {}, "teardown_s": teardown_s},
         "windows": windows_plan(spec, plans),
-        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes, round_overhead_s,
-                                                                   crossings)
+        "bandwidth_for_utilisation": {f"{goal:.2f}": bandwidth_for(spec, step_seconds, goal, sizes, round_overhead_s)
                                       for goal in UTILISATION_GOALS},
     }
 

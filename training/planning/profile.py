@@ -33,7 +33,7 @@ import torch
 from infra.launch import LearnerProcess, island_cores, threads_per_process
 from infra.spec import RunSpec, SpecError, parse_spec, spec_sha256
 from infra.supervision import run_learner, stop_learners
-from training.exchange.exchanger import first_crossing, mode_period
+from training.exchange.modes import sync_mode
 from training.learner.ledger import read_summaries
 from training.model.registry import build_model
 from training.planning.host_memory import learner_host, this_host_bytes
@@ -146,7 +146,7 @@ def settling_rounds(spec: RunSpec) -> int:
     where the exchange is applied `tau` steps into it). Learners start unevenly (a learner of several
     processes starts later), and those that start early wait there for the others: their start-up's
     lag, which `startup_s` holds, not a round's overhead."""
-    return first_crossing(spec) + 1 + (spec.sync.transport.tau > 0)
+    return sync_mode(spec).first_crossing() + 1 + (spec.sync.transport.tau > 0)
 
 
 def checkpoint_rounds(spec: RunSpec) -> int:
@@ -158,7 +158,8 @@ def checkpoint_rounds(spec: RunSpec) -> int:
 def timed_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
     """Whole periods of the mode's peers and island crossings (`SyncMode.period`), at least `at_least` - 1
     rounds: a mode that crosses islands only every so often spends its rounds unevenly."""
-    return mode_period(spec) * math.ceil((at_least - 1) / mode_period(spec))
+    period = sync_mode(spec).period()
+    return period * math.ceil((at_least - 1) / period)
 
 
 def profile_rounds(spec: RunSpec, at_least: int = PROFILE_ROUNDS) -> int:
@@ -245,7 +246,7 @@ def summarise(spec: RunSpec, summaries, round_times: dict[int, list[float]], exi
     of the mode's period (its writes slow the inner steps beside them and hold up the exchange), which
     the run pays `checkpoints_per_run_round` times a round; what the last round takes beyond a timed
     one counts in `teardown_s`."""
-    settle, period = settling_rounds(spec), mode_period(spec)
+    settle, period = settling_rounds(spec), sync_mode(spec).period()
     checkpointed = spec.training.checkpoint_every - 1
     timed = range(settle, checkpointed)
     last = checkpointed + checkpoint_rounds(spec)
