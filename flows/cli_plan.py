@@ -18,7 +18,7 @@ def plan(args: argparse.Namespace) -> int:
     spec = load_spec_or_say_why(args.config, "train" if args.profile_run else "plan", args.overrides)
     if spec is None:
         return 2
-    from tasks.planning import plan_markdown, windows_markdown
+    from training.planning.markdown import plan_markdown, windows_markdown
     from training.planning.windows import WindowsTooShort
     from training.planning.planner import complete_step_seconds, plan_run
     from training.planning.profile import ProfilingFailed, check_profiling_fits_here, profile_run
@@ -50,7 +50,7 @@ def plan(args: argparse.Namespace) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    from tasks.planning import memory_markdown
+    from training.planning.markdown import memory_markdown
     from training.planning.fit import memory_plan, refusals
 
     memory = memory_plan(spec)

@@ -38,7 +38,7 @@ def dry_run(spec: RunSpec) -> int:
     """`run --dry-run`: the `preflight` checks, then the model built on the meta device (its shapes, no
     memory) against the spec and the memory plan; prints what would run, and stops before Prefect or
     any training."""
-    from tasks.planning import memory_markdown
+    from training.planning.markdown import memory_markdown
     from training.planning.preflight import check_model_on_meta
 
     try:

@@ -21,11 +21,12 @@ from infra.stores import open_run
 from infra.supervision import stop_learners_on_sigterm, yield_cpu_to_learners
 from tasks.credentials import load_credential_blocks
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
+from tasks.segments import BASELINE_FLOW, SEGMENT_FLOW
 from tasks.setup import flow_run_run_id
 from tasks.training import train_learner, train_standard
 
 
-@flow(name="segment", persist_result=False, result_serializer=RESULT_SERIALIZER)
+@flow(name=SEGMENT_FLOW, persist_result=False, result_serializer=RESULT_SERIALIZER)
 def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = None,
             lease_term: int | None = None) -> dict:
     """The island's learners, each its own OS process, until they finish or the capacity window ends.
@@ -45,7 +46,7 @@ def segment(spec: RunSpec, run_id: str, island: str, until: datetime | None = No
     return {"island": island, "finished": all(r["finished"] for r in results), "learners": results}
 
 
-@flow(name="baseline", persist_result=False, result_serializer=RESULT_SERIALIZER)
+@flow(name=BASELINE_FLOW, persist_result=False, result_serializer=RESULT_SERIALIZER)
 def baseline(spec: RunSpec, run_id: str) -> dict:
     """Standard training on the island `evaluation.baseline_island` names, on its device; its model is
     signed by the island."""

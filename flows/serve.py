@@ -34,7 +34,7 @@ from prefect.deployments.runner import EntrypointType
 from infra.guard import PARENT_PID, guarded_module
 from infra.spec import RunSpec
 from infra.spec.windows import CapacityWindow
-from tasks.segments import island_pool
+from tasks.segments import baseline_deployment, island_pool, segment_deployment
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONTROL_POOL = "archipelago"
@@ -260,7 +260,7 @@ def capacity_schedules(spec: RunSpec, now: datetime) -> list:
 def lifecycle_description(spec: RunSpec, now: datetime) -> str:
     """The `lifecycle` deployment's description: with capacity windows, when its schedule starts the
     run and which island trains when, which its RRule alone does not say."""
-    from tasks.planning import windows_table
+    from training.planning.markdown import windows_table
     from training.planning.windows import window_rows
 
     description = "Start an Archipelago run: its parameters form is the run spec."
@@ -290,24 +290,28 @@ def register(spec: RunSpec) -> dict[str, str]:
     asyncio.run(_ensure_pools(spec))
     now = datetime.now(timezone.utc)
 
-    def deploy(flow, name: str, pool: str, **options) -> str:
-        return str(flow.to_deployment(name=name, work_pool_name=pool, entrypoint_type=EntrypointType.MODULE_PATH,
-                                      **options).apply())
+    ids: dict[str, str] = {}
 
-    ids = {LIFECYCLE_DEPLOYMENT: deploy(archipelago, "lifecycle", CONTROL_POOL,
-                                        parameters={"spec": spec.model_dump(mode="json")},
-                                        schedules=capacity_schedules(spec, now),
-                                        description=lifecycle_description(spec, now)),
-           PLAN_DEPLOYMENT: deploy(plan, "plan", CONTROL_POOL, parameters={"spec": spec.model_dump(mode="json")},
-                                   description="Predict a run's utilisation, bytes and wall time on a link, without "
-                                               "training it; with capacity windows, the rounds each window holds and "
-                                               "where an island waits on another.")}
+    def deploy(deployment: str, flow, pool: str, **options) -> None:
+        """`deployment` (`<flow name>/<name>`, the name runs of it are asked for by) of `flow`, on `pool`."""
+        flow_name, _, name = deployment.partition("/")
+        if flow_name != flow.name:
+            raise ValueError(f"deployment {deployment} is not one of flow {flow.name}")
+        ids[deployment] = str(flow.to_deployment(name=name, work_pool_name=pool,
+                                                 entrypoint_type=EntrypointType.MODULE_PATH, **options).apply())
+
+    deploy(LIFECYCLE_DEPLOYMENT, archipelago, CONTROL_POOL, parameters={"spec": spec.model_dump(mode="json")},
+           schedules=capacity_schedules(spec, now), description=lifecycle_description(spec, now))
+    deploy(PLAN_DEPLOYMENT, plan, CONTROL_POOL, parameters={"spec": spec.model_dump(mode="json")},
+           description="Predict a run's utilisation, bytes and wall time on a link, without training it; with "
+                       "capacity windows, the rounds each window holds and where an island waits on another.")
     for island in spec.islands:
         pool = island_pool(island.name)
-        ids[f"segment/{pool}"] = deploy(segment, pool, pool, description=f"Training segments of island "
-                                        f"{island.name}, started by the lifecycle per capacity window.")
-        ids[f"baseline/{pool}"] = deploy(baseline, pool, pool, description=f"Standard training on island "
-                                         f"{island.name}, when the spec's evaluation.baseline_island names it.")
+        deploy(segment_deployment(island.name), segment, pool,
+               description=f"Training segments of island {island.name}, started by the lifecycle per capacity window.")
+        deploy(baseline_deployment(island.name), baseline, pool,
+               description=f"Standard training on island {island.name}, when the spec's evaluation.baseline_island "
+                           "names it.")
     return ids
 
 

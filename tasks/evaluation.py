@@ -15,11 +15,12 @@ from infra.spec import RunSpec
 from infra.store import refused_in_process
 from infra.stores import open_run
 from tasks.faults import fail_once_if_asked
-from tasks.planning import UNLIMITED_BPS, measured_step_seconds, publish_plan
+from tasks.planning import measured_step_seconds, publish_plan
 from tasks.stage import stage
 from tasks.tracking import log_report
 from training.learner.ledger import read_summaries
 from training.model.registry import build_model
+from training.planning.markdown import UNLIMITED_BPS
 
 
 @stage("evaluate")

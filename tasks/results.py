@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 
-from prefect._internal.compatibility.async_dispatch import async_dispatch
 from prefect.cache_policies import INPUTS, TASK_SOURCE
 from prefect.exceptions import ObjectAlreadyExists
 from prefect.filesystems import LocalFileSystem, RemoteFileSystem
@@ -156,18 +155,19 @@ class _TrustedRecordsOnly(BaseModel):
                         f"only records signed by {self.record_signing.writer} are read back")
         return plain_json_record(path, stored)
 
+    # Prefect reaches a storage block through the explicit async methods from async code and through the
+    # sync ones, with `_sync=True`, from sync code (prefect.results): so the sync ones need no dispatch
+    # of their own, and tell the parent's, which dispatches on the calling context, to run synchronously.
     async def aread_path(self, path: str) -> bytes:
         return self._trusted(path, await super().aread_path(path))
 
-    @async_dispatch(aread_path)
-    def read_path(self, path: str) -> bytes:
+    def read_path(self, path: str, _sync: bool = True) -> bytes:
         return self._trusted(path, super().read_path(path, _sync=True))
 
     async def awrite_path(self, path: str, content: bytes) -> str:
         return await super().awrite_path(path, self._stored(path, content))
 
-    @async_dispatch(awrite_path)
-    def write_path(self, path: str, content: bytes) -> str:
+    def write_path(self, path: str, content: bytes, _sync: bool = True) -> str:
         return super().write_path(path, self._stored(path, content), _sync=True)
 
 

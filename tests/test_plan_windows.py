@@ -2,16 +2,18 @@
 and resumes in its next window while its partner on another island waits; the windows plan is shown
 as a table and a timeline, from the CLI, the plan flow and the lifecycle deployment's description."""
 
+import ast
 import asyncio
 import json
 from datetime import datetime, timezone
+from pathlib import Path
 
 import pytest
 
 from eval.figures import windows_timeline
 from flows.cli import main
 from infra.spec import parse_spec
-from tasks.planning import windows_markdown
+from training.planning.markdown import windows_markdown
 from training.planning.windows import WindowsTooShort
 from training.planning.planner import plan_run, replay
 
@@ -106,6 +108,16 @@ def test_plan_command_prints_the_windows_table_and_writes_the_timeline(tmp_path,
     assert main(["plan", str(always), "--step-seconds", "east=1", "--step-seconds", "west=2",
                  "--figure", str(tmp_path / "none.png")]) == 2
     assert "islands[].windows" in capsys.readouterr().err and not (tmp_path / "none.png").exists()
+
+
+def test_the_server_free_commands_format_without_the_prefect_layer():
+    """`plan`, and `run`'s memory table before its server starts, print through training.planning.markdown:
+    the CLI's modules import nothing from tasks/, whose modules load Prefect."""
+    for module in ("cli.py", "cli_plan.py", "cli_run.py"):
+        tree = ast.parse((Path(__file__).resolve().parents[1] / "flows" / module).read_text())
+        imported = ({node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+                    | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names})
+        assert [name for name in imported if name and name.split(".")[0] == "tasks"] == [], module
 
 
 def test_the_plan_flow_publishes_the_windows_table_and_timeline(prefect_api):

@@ -115,7 +115,7 @@ class _TouchOnUnpickle:
 
 
 def pickle_record(marker: pathlib.Path) -> bytes:
-    from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
+    from prefect.results import ResultRecord, ResultRecordMetadata
     from prefect.serializers import PickleSerializer
 
     return ResultRecord(metadata=ResultRecordMetadata(storage_key=None, serializer=PickleSerializer()),
@@ -127,7 +127,7 @@ def test_a_planted_pickle_record_is_refused_and_its_stage_recomputed(finished_ru
     (its key is computable from the stage's inputs and source) with a cloudpickle record whose
     unpickling runs code. The resume refuses the record, runs `start-run` again and overwrites the
     record with plain JSON; nothing is unpickled and every other stage is still reused."""
-    from prefect._internal.result_records import ResultRecord
+    from prefect.results import ResultRecord
 
     from tasks.results import LocalJsonResults, UntrustedResultRecord
 
@@ -160,7 +160,7 @@ def test_the_result_storage_refuses_anything_but_plain_json_on_every_read_path(w
     without being decoded; a plain JSON record reads back."""
     import asyncio
 
-    from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
+    from prefect.results import ResultRecord, ResultRecordMetadata
     from prefect.serializers import JSONSerializer
 
     from infra.spec.store import StoreSpec
@@ -312,7 +312,7 @@ def test_each_writer_reads_back_only_the_records_it_signed(where, request, tmp_p
     sync and async read paths; a record moved to another path, or signed by another writer, is refused."""
     import asyncio
 
-    from prefect._internal.result_records import ResultRecord, ResultRecordMetadata
+    from prefect.results import ResultRecord, ResultRecordMetadata
     from prefect.filesystems import LocalFileSystem, RemoteFileSystem
 
     from tasks.results import RESULT_SERIALIZER, RecordSigning, UntrustedResultRecord, result_storage
