@@ -133,6 +133,8 @@ class ByteGPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab, bias=False)
         self.head.weight = self.tok.weight  # weight tying
+        if self.tok.weight.is_meta:  # built for its shapes alone (plans): no values to draw, and drawing is slow
+            return
         self.apply(self._init)
         for name, p in self.named_parameters():
             if name.endswith(("proj.weight", "down.weight")):
