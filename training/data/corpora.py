@@ -19,6 +19,7 @@ import tarfile
 import tempfile
 import urllib.request
 from dataclasses import dataclass
+from functools import cache
 from glob import glob
 from html.parser import HTMLParser
 from pathlib import Path
@@ -208,9 +209,14 @@ def _without_userinfo(url: str) -> str:
 
 
 def python_stdlib_files() -> list[Path]:
+    return list(_python_stdlib_files())
+
+
+@cache  # the interpreter's own library does not change while it runs; walking it takes seconds
+def _python_stdlib_files() -> tuple[Path, ...]:
     root = Path(sysconfig.get_path("stdlib"))
     skip = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
+    return tuple(sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts)))
 
 
 def _load_text_files(files: list[Path]) -> list[Document]:
