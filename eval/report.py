@@ -6,8 +6,8 @@ import pandas as pd
 
 from eval.bootstrap import paired_bootstrap
 from infra import layout
-from infra.spec.faults import CorruptObject
 from infra.spec import RunSpec
+from infra.spec.faults import CorruptObject
 from training.baseline import BaselinePlan
 from training.learner.ledger import LearnerSummary
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from infra import layout
-from infra.spec.faults import FailStage
 from infra.spec import RunSpec
+from infra.spec.faults import FailStage
 from infra.stores import open_run
 
 

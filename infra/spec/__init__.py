@@ -38,6 +38,9 @@ _STALL_MARGIN_S = 600.0
 
 
 class RunSpec(SpecModel):
+    """A whole run: its islands and their learners, the model, the data, how learners train and synchronise,
+    where their objects live, and what the run is measured against."""
+
     name: str = Field("archipelago", pattern=r"^[a-z0-9][a-z0-9-]{0,47}$", description="Run name; prefixes the run id.")
     seed: int = Field(0, ge=0, lt=SEED_LIMIT, description="Seed for initialisation and sampling (data.split_seed decides the split).")
     islands: list[IslandSpec] = Field(min_length=1, max_length=MAX_ISLANDS,

@@ -55,6 +55,9 @@ class TokenizerSpec(SpecModel):
 
 
 class DataSpec(SpecModel):
+    """The text a run trains on and is scored on; which document lands in which split depends on
+    `split_seed` alone."""
+
     tokenizer: TokenizerSpec | None = Field(
         None, description="Token ids the model reads: a tokenizers vocabulary, or the bytes of the text when empty "
                           "(bits per byte count each held-out document's UTF-8 bytes either way).")

@@ -10,6 +10,9 @@ from infra.spec.base import MAX_BATCH, SpecModel
 
 
 class EvaluationSpec(SpecModel):
+    """How the run's model is scored: against standard training or alone, where that baseline trains,
+    and the bpb-versus-tokens curve."""
+
     baseline: Literal["standard", "none"] = Field(
         "standard", description="standard: train standard data-parallel training on the same shards and tokens "
                                 "and score both models; none: score the islands' model alone (no baseline is "

@@ -32,6 +32,9 @@ class SigningSpec(SpecModel):
 
 
 class IslandSpec(SpecModel):
+    """A compute island (a site or cluster): its learners and their batch, how each learner spreads over
+    processes and nodes, the memory it has, its own store, its capacity windows and its work pool."""
+
     name: str = Field(description="Island name, unique in the run (a site or cluster).",
                       pattern=r"^[a-z0-9][a-z0-9-]{0,31}$")
     accelerator: str = Field("cpu", description="Accelerator label, for reports (e.g. GB300, B300, cpu).")

@@ -38,6 +38,8 @@ def registered_models() -> dict[str, EntryPoint]:
 
 
 class MoESpec(SpecModel):
+    """The byte GPT's sparse mixture-of-experts feed-forward layers."""
+
     experts: int = Field(ge=2, le=64, description="Experts in each sparse feed-forward layer.")
     top_k: int = Field(1, ge=1, description="Experts each token is routed to.")
     balance_loss_weight: float = Field(0.01, ge=0, description="Weight of the load-balancing loss.")
@@ -50,6 +52,8 @@ class MoESpec(SpecModel):
 
 
 class TransformersModelSpec(SpecModel):
+    """A transformers causal LM built from its config: no weights are downloaded, no hub code runs."""
+
     architecture: Literal["LlamaForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"] = Field(
         description="The transformers causal LM class. Sparse MoE architectures train with their router's "
                     "auxiliary loss (the config's router_aux_loss_coef).")
@@ -134,6 +138,9 @@ class TransformersModelSpec(SpecModel):
 
 
 class ModelSpec(SpecModel):
+    """The model every learner and the baseline train. The defaults are a small byte GPT that trains on a
+    CPU in minutes, the demo's scale."""
+
     kind: str = Field(
         "byte_gpt", pattern=r"^[a-z][a-z0-9_]{0,47}$",
         description="byte_gpt: the built-in byte-level GPT (layers, width, heads, moe); transformers: a "

@@ -24,6 +24,9 @@ _KUBERNETES_FIELDS = ("image", "namespace", "image_pull_policy", "service_accoun
 
 
 class PoolSpec(SpecModel):
+    """An island's work pool: where and how its segments run. The default, a process pool launching
+    locally, needs nothing but a worker on the island's host."""
+
     type: Literal["process", "kubernetes"] = Field(
         "process", description="process: a Prefect process worker runs each segment as a process on its host; "
                                "kubernetes: a Prefect Kubernetes worker runs each segment as a Job, one pod "

@@ -12,6 +12,9 @@ from infra.store_errors import StoreError
 
 
 class StoreSpec(SpecModel):
+    """An object store: a local folder (the default, for a run on one machine) or an S3 prefix, how to
+    authenticate to it (only ever by naming variables or blocks), and how hard to retry it."""
+
     url: str = Field(".archipelago/store",
                      description="Object store root: a local folder, or s3://bucket/prefix. "
                                  "S3 credentials come from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY.")

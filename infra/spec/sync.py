@@ -24,6 +24,8 @@ class ShampooSpec(SpecModel):
 
 
 class OuterOptimizerSpec(SpecModel):
+    """The optimizer learners apply to the mixed pseudo-gradients once a round; the defaults are DiLoCo's."""
+
     name: Literal["nesterov", "shampoo"] = Field(
         "nesterov", description="Outer optimizer applied to mixed pseudo-gradients: nesterov (DiLoCo's SGD with "
                                 "Nesterov momentum) or shampoo (Shampoo with grafting).")
@@ -33,6 +35,9 @@ class OuterOptimizerSpec(SpecModel):
 
 
 class BandwidthSpec(SpecModel):
+    """A bandwidth budget per link class, enforced by each learner's transport: for drills and for
+    measuring how a run fares on a slower link than the one it has."""
+
     # At least 1 byte/s: a message's wait is bytes / rate, and a near-zero rate overflows time.sleep.
     inter_island: float | None = Field(
         None, ge=1, description="Bytes/s one learner may move over the inter-island link; unlimited when absent.")
@@ -69,6 +74,9 @@ class TransportSpec(SpecModel):
 
 
 class SyncSpec(SpecModel):
+    """How learners synchronise: the mode (who mixes with whom), the rounds, the outer optimizer, how
+    long a learner waits for its peers, and the transport of their messages."""
+
     mode: Literal["butterfly", "allreduce", "hierarchical"] = Field(
         "butterfly", description="butterfly: pairwise exchange with partner i XOR 2^s; allreduce: DiLoCo mean; "
                                  "hierarchical: an exact mean inside each island and the island's outer step "

@@ -21,6 +21,9 @@ TRACKER_CREDENTIALS = ("WANDB_API_KEY", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRAC
 
 
 class TrackingSpec(SpecModel):
+    """The experiment tracker a run is logged to. The default is none: a run's report and artifacts
+    need no tracker."""
+
     backend: Literal["none", "tensorboard", "mlflow", "wandb"] = Field(
         "none", description="Experiment tracker the islands' workers log each learner's rounds to, and the control "
                             "plane the run's final figures: none, tensorboard, mlflow or wandb (each needs its "
