@@ -25,7 +25,8 @@ import torch
 
 from infra import watchdog
 from infra.spec import LearnerSlot, RunSpec
-from infra.store import IntegrityError, ObjectExists, StoreError, calls_end_by
+from infra.retry import calls_end_by
+from infra.store import IntegrityError, ObjectExists, StoreError
 from training.events import emit
 from training.exchange.channel import Channel, MalformedMessage
 from training.exchange.compression import ErrorFeedback
