@@ -4,7 +4,7 @@ PYTHON ?= python3
 BIN := $(VENV)/bin
 export PREFECT_SERVER_ANALYTICS_ENABLED := false
 
-.PHONY: setup bytecode demo test bench bench-quality ui browser clean
+.PHONY: setup bytecode demo test bench quality ui browser clean
 
 setup: $(VENV)/.installed
 
@@ -42,12 +42,13 @@ browser:
 ui: setup
 	$(BIN)/archipelago serve configs/demo.yaml --port $(or $(PORT),4200)
 
+# The learners' tokens per second against standard training's (benchmarks/results/learner_throughput.json).
 bench: setup
-	$(BIN)/python -m bench.learner_throughput
+	$(BIN)/python -m benchmarks.learner_throughput
 
-# About 3 hours on 2 idle cores; resumes arm by arm (bench/results/quality/).
-bench-quality: setup
-	$(BIN)/python -m bench.quality
+# The quality experiment: about 3 hours on 2 idle cores; resumes arm by arm (experiments/quality/results/quality/).
+quality: setup
+	$(BIN)/python -m experiments.quality
 
 clean:
 	rm -rf $(VENV) .archipelago reports *.egg-info

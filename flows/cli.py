@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from flows.cli_gpu_check import add_gpu_check_parser
 from flows.cli_plan import plan
 from flows.cli_run import load_spec_or_say_why, resume, run
 from infra import layout
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     keys_parser.add_argument("islands", nargs="+", help="the islands' names, as in the spec")
     keys_parser.add_argument("--out", default=".archipelago/keys", help="folder for the private keys (files 0600)")
     keys_parser.set_defaults(handler=keys)
+    add_gpu_check_parser(commands, spec_options)
     args = parser.parse_args(argv)
     if args.command == "resume" and args.overrides and not args.config:
         print("error: --set changes a spec file: resume takes it with --config (the store's copy is taken as it is)",

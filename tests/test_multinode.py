@@ -18,7 +18,7 @@ import pytest
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from bench.netns import Sampling, remove_namespaces, run_checked
+from benchmarks.netns import Sampling, remove_namespaces, run_checked
 from infra import layout
 from infra.authority import Authority, Signer
 from infra.launch import (GUARDED, NODE_LAUNCHER_MODULE, PARENT_PID, SLURM_NODE_ID, LearnerProcess, slurm_node_rank,

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.quality import FAMILIES, base_spec
 from flows.cli import main
 from infra.spec import parse_spec
 from infra.store import ObjectStore
@@ -93,11 +92,17 @@ def test_a_document_too_big_for_the_evaluation_is_skipped_and_smaller_ones_still
 
 
 def stdlib_spec(tmp_path: Path, split_seed: int):
-    """The benchmark's code corpus and islands (bench/quality.py base_spec), in a local store."""
-    raw = base_spec(seed=0, family=FAMILIES["butterfly"])
-    raw["data"] = {"corpora": [c for c in raw["data"]["corpora"] if c["name"] == "code"], "split_seed": split_seed}
-    raw["store"] = {"url": str(tmp_path / "store")}
-    return parse_spec(raw)
+    """The standard library's code as the quality experiment splits it, in a local store."""
+    return parse_spec({
+        "name": "stdlib-split",
+        "islands": [{"name": "east", "learners": 2, "batch_size": 8, "seq_len": 128, "inner_steps": 20}],
+        "model": {"layers": 2, "width": 128, "heads": 4},
+        "data": {"corpora": [{"name": "code", "source": "python_stdlib", "max_documents": 1200, "eval_fraction": 0.1,
+                              "max_eval_bytes": 650_000, "validation_fraction": 0.05,
+                              "max_validation_bytes": 300_000}],
+                 "split_seed": split_seed},
+        "sync": {"rounds": 1},
+        "store": {"url": str(tmp_path / "store")}})
 
 
 @pytest.mark.parametrize("split_seed", [0, 1, 2])

@@ -27,7 +27,7 @@ class TrainingSpec(SpecModel):
 
 
 class BaselineSpec(SpecModel):
-    """Standard training, the run's yardstick. Tuned on its own (see bench/quality.py): a baseline held
+    """Standard training, the run's yardstick. Tuned on its own (see experiments/quality/): a baseline held
     to the islands' learning rate and batch would flatter the islands."""
 
     lr: float | None = Field(None, gt=0, description="Peak AdamW learning rate; defaults to training.lr.")

@@ -12,7 +12,7 @@ order they start; a learner's transport reads its peers one after another. Reads
 island cost nothing here: each island's store is on its own site.
 
 What it leaves out: store request latency, checkpoint writes, and cores shared by learners on one
-machine. `bench/shaped_link.py` measures what those cost and sets the plan beside the measurement.
+machine. `benchmarks/shaped_link.py` measures what those cost and sets the plan beside the measurement.
 """
 
 from __future__ import annotations

@@ -1,0 +1,7 @@
+"""`python -m experiments.quality`: the campaign's command line (campaign.py)."""
+
+import sys
+
+from experiments.quality.campaign import main
+
+sys.exit(main())
