@@ -40,26 +40,33 @@ def dp_matched_rate_bps(bytes_each_way_per_step: float, step_seconds: float) -> 
 
 
 def calibrate_step_seconds(spec, repeats: int = 5) -> float:
-    """Median seconds of one per-step all-reduce step's compute here: forward, backward and AdamW on
-    the largest island's share of the global batch (the baseline spreads each shard's rows evenly
-    over its steps), with the threads each of its ranks gets."""
+    """Median seconds of one per-step all-reduce step's compute here, through standard training's own
+    step (`training.baseline`: each shard's rows of the step backward, then the clipped optimizer step)
+    on the island whose shards put the most rows in a step, with the threads each of its ranks gets.
+    Its windows come from random bytes: a step's compute does not depend on its text, and the link's
+    rate is set before any data is prepared."""
     import torch
-    from training.baseline import BaselinePlan, baseline_optimizer
+    from training.baseline import BaselinePlan, accumulate_gradients, baseline_lr, baseline_optimizer
+    from training.data.streams import WindowSampler
+    from training.model.inner import optimizer_step
     from training.model.registry import build_model
 
     torch.set_num_threads(dp_threads(len(spec.islands)))
     model = build_model(spec)
     optimizer = baseline_optimizer(spec, model)
     plan = BaselinePlan.of(spec)
-    rows = max(-(-sum(r for r, s in zip(plan.planned_rows, plan.slots) if s.island.name == i.name) // plan.steps)
-               for i in spec.islands)
-    data = torch.randint(0, 256, (rows, spec.max_seq_len + 1))
+    rows = plan.step_rows(0)
+    busiest = max(spec.islands, key=lambda island: sum(r for r, slot in zip(rows, plan.slots)
+                                                       if slot.island.name == island.name))
+    samplers = {slot.index: WindowSampler(torch.randint(0, 256, (64 * (slot.island.seq_len + 1),)), slot.island.seq_len,
+                                          seed=slot.index)
+                for slot in plan.slots if slot.island.name == busiest.name}
     times = []
     for _ in range(repeats + 1):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        model.loss(data[:, :-1], data[:, 1:]).backward()
-        optimizer.step()
+        accumulate_gradients(model, plan, samplers, 0)
+        optimizer_step(model, optimizer, baseline_lr(spec))
         times.append(time.perf_counter() - started)
     return statistics.median(times[1:])  # the first step pays for allocation
 

@@ -1,11 +1,12 @@
-"""The shaped-link bench's parts that need no root: rate arithmetic, the namespace plan, the
-per-connection byte meter (on loopback) and the utilisation window."""
+"""The shaped-link benchmark's parts that need no root: rate arithmetic, the step calibration, the
+namespace plan, the per-connection byte meter (on loopback) and the utilisation window."""
 
 import time
 
 import pytest
 
-from benchmarks.link_rates import brief_scaled_rate_bps, dp_matched_rate_bps, dp_need_bps
+from benchmarks.link_rates import brief_scaled_rate_bps, calibrate_step_seconds, dp_matched_rate_bps, dp_need_bps
+from benchmarks.link_sites import dp_threads
 from benchmarks.netns import IFNAME_MAX, LinkPlan, link_bytes, tbf_burst_bytes
 
 
@@ -28,6 +29,24 @@ def test_matched_rate_is_the_briefs_fraction_of_dp_need():
     need = dp_need_bps(2_000_000, 0.2)
     # 25 Gbit/s against the 100-300 Gbit/s per-step data parallelism needs: about 1/6.9.
     assert dp_matched_rate_bps(2_000_000, 0.2) / need == pytest.approx(25 / (100 * 300) ** 0.5)
+
+
+def test_the_step_is_calibrated_through_standard_training_s_own_step_with_a_rank_s_threads():
+    import torch
+    from infra.spec import parse_spec
+
+    spec = parse_spec({"name": "calibrate", "islands": [
+        {"name": "east", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2},
+        {"name": "west", "learners": 2, "batch_size": 4, "seq_len": 16, "inner_steps": 1}],
+        "model": {"layers": 1, "width": 16, "heads": 2}, "sync": {"rounds": 2},
+        "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]}})
+    threads = torch.get_num_threads()
+    try:
+        seconds = calibrate_step_seconds(spec, repeats=2)
+        assert torch.get_num_threads() == dp_threads(2)
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < seconds < float("inf")
 
 
 def test_burst_covers_ten_milliseconds_and_a_floor():
