@@ -92,7 +92,7 @@ def kill_when_due(store, run_id: str, learner: int, kill_round: int, log: Log, d
 
 
 def run_arm(kill: bool, args, log: Log) -> dict:
-    store_url = str(Path(".archipelago/bench-kill-drill").resolve())
+    store_url = str(Path(".archipelago/kill-drill").resolve())
     spec = parse_spec(drill_spec(store_url))
     run_id, store, _ = new_run(spec, "kill" if kill else "clean")
     done = threading.Event()

@@ -2,7 +2,7 @@
 
 Nothing else is connected, so every byte that moves between the islands crosses that pair and its
 interface counters (read inside each namespace) are the inter-island bytes, headers included. A
-bench process never touches the host's interfaces, and tears down only namespaces it made.
+benchmark process never touches the host's interfaces, and tears down only namespaces it made.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 NAMESPACE_PREFIX = "arch-"
 IFNAME_MAX = 15  # Linux IFNAMSIZ - 1
-SUBNET = "10.77.0"  # only inside the bench's own namespaces, which have no other routes
+SUBNET = "10.77.0"  # only inside the benchmark's own namespaces, which have no other routes
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
@@ -51,7 +51,7 @@ class LinkPlan:
     @classmethod
     def for_islands(cls, islands: list[str], rate_bps: float, tag: str | None = None) -> "LinkPlan":
         if len(islands) != 2 or len(set(islands)) != 2:
-            raise ValueError(f"the shaped-link bench joins exactly two distinct islands, got {islands}")
+            raise ValueError(f"the shaped-link benchmark joins exactly two distinct islands, got {islands}")
         tag = tag or secrets.token_hex(3)
         ends = tuple(IslandEnd(island=name, namespace=f"{NAMESPACE_PREFIX}{tag}-{name}",
                                device=f"arch{tag}{k}", address=f"{SUBNET}.{k + 1}")

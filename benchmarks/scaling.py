@@ -5,7 +5,7 @@ through the store, measured per learner and round beside the planner's predictio
 
 Every arm is a tiny model (`SCALING` below) on two islands of N/2 learners each, every learner its own
 OS process (`training.stages.train_learners`), all talking to one SeaweedFS S3 server on loopback that
-the bench starts and stops. What a learner's transport counted (`training.exchange.transport.LinkCounters`, in
+the benchmark starts and stops. What a learner's transport counted (`training.exchange.transport.LinkCounters`, in
 its summary) is set beside what `training.planning.planner.replay` predicts for the same spec:
 
 * requests: PUTs and GETs of message objects and commits. Fixed by the schedule and message sizes,
@@ -38,7 +38,7 @@ from benchmarks.results_page import provenance, recorded, write_results_page
 
 RESULTS = Path("benchmarks/results/scaling")
 MODES = ("butterfly", "allreduce")
-# Small enough that 32 learner processes fit on two cores: the bench is about requests and bytes, and
+# Small enough that 32 learner processes fit on two cores: the benchmark is about requests and bytes, and
 # the model's size only scales the bytes.
 SCALING = {
     "model": {"layers": 1, "width": 32, "heads": 2},

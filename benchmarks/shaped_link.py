@@ -19,7 +19,7 @@ Arms, all on one link and one data preparation recipe, in this order:
 The network. Each island is a network namespace (`arch-<tag>-<island>`); one veth pair joins them and
 `tc tbf` shapes BOTH directions of it to the same rate. Nothing else is connected: every byte that
 moves between the islands crosses that pair, so its interface counters (read inside the namespace)
-are the inter-island bytes, headers included. A bench process never touches the host's interfaces.
+are the inter-island bytes, headers included. A benchmark process never touches the host's interfaces.
 
 The stores. The run's SeaweedFS S3 endpoint runs in the first island's namespace, bound to that
 island's veth address; by default every other island gets a SeaweedFS of its own in its namespace,
@@ -53,7 +53,7 @@ on this machine) and shape the link to the same 1/6.9 of it. Per-step data paral
 starved on this link as on the brief's. `--rate-mbit` overrides; the literal figure is recorded too.
 No latency is added (netem is not available here): the link is narrow, not long.
 
-Sizing. The bench configs are the demo with fewer rounds (`--rounds` overrides all arms) so the three
+Sizing. The benchmark configs are the demo with fewer rounds (`--rounds` overrides all arms) so the three
 arms fit in about 20 minutes on two shared cores; `--dp-max-steps N` runs only the first N steps of
 the standard arm and extrapolates its wall time and bytes linearly (its bpb is then not reported).
 
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                                    "--drive", str(workdir / "job.json")], start_new_session=True)
         code = driver.wait()
         if code:
-            raise SystemExit(f"the bench driver failed (exit status {code}); see its output above")
+            raise SystemExit(f"the benchmark driver failed (exit status {code}); see its output above")
     except KeyboardInterrupt:
         log("interrupted: tearing down")
         return 130

@@ -1,13 +1,13 @@
-"""The shaped-link bench's results: a headline per arm and the results page of a result file.
+"""The shaped-link benchmark's results: a headline per arm and the results page of a result file.
 
     .venv/bin/python -m benchmarks.shaped_link_report [RESULT_JSON]   # rewrite its page in docs/results/
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 from benchmarks.harness import relative_change
@@ -154,6 +154,7 @@ def write_reports(document: dict, out: Path = RESULTS) -> str:
 
 
 if __name__ == "__main__":
-    result = Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("result", nargs="?", type=Path, default=RESULTS, help="the shaped-link result file")
+    result = parser.parse_args().result
     print(write_reports(json.loads(result.read_text()), result))
-    sys.exit(0)

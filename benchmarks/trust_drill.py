@@ -23,6 +23,7 @@ reports' bpb.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import tempfile
@@ -180,6 +181,8 @@ def run_lifecycle_again(spec, run_id: str) -> dict:
 
 def main() -> None:
     from prefect.testing.utilities import prefect_test_harness
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
 
     def log(line: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True)

@@ -196,7 +196,7 @@ def shaped_link_figures() -> dict:
     result file (`benchmarks.shaped_link ... --out experiments/quality/results/brief/shaped_link.json`)."""
     figures = {"bytes_ratio_wire": None, "utilisation_runs": None, "time_to_quality_ratio": None, "pending": {}}
     if not SHAPED_LINK.exists():
-        figures["pending"].update({k: f"run the shaped-link bench into {SHAPED_LINK}"
+        figures["pending"].update({k: f"run the shaped-link benchmark into {SHAPED_LINK}"
                                    for k in ("bytes_ratio_wire", "utilisation_runs", "time_to_quality_ratio")})
         return figures
     shaped = json.loads(SHAPED_LINK.read_text())
