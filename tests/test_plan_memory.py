@@ -165,15 +165,16 @@ def test_the_activation_formula_with_bf16_weights_is_what_autograd_saves(model):
 
 # Measures a forward pass's resident memory with every allocation above 64 KB its own mapping, so that
 # freed tensors leave the process at once. Prints what the forward pass kept and the peak over both passes.
+# The spec comes as JSON (argv[1]): importing this module there would import the CLI and the planner too.
 RESIDENT_MEMORY = """
 import re, sys, torch
+from infra.spec import RunSpec
 from training.model.parallel import LearnerParallelism
 from training.model.registry import build_model
-from tests.test_plan_memory import spec_of
 torch.set_num_threads(1)
 def status(field):
     return int(re.search(field + r":\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
-spec = spec_of({"layers": 8, "width": 256, "heads": 4}, batch_size=8, seq_len=256)
+spec = RunSpec.model_validate_json(sys.argv[1])
 model = build_model(spec)
 LearnerParallelism("data_parallel", 0, 1, torch.device("cpu"), activation_checkpointing=True).place(model)
 data = torch.randint(0, 256, (8, 257), generator=torch.Generator().manual_seed(0))
@@ -192,7 +193,8 @@ def test_checkpointed_activations_are_what_a_forward_pass_keeps():
     # time (its gradients' temporaries are not counted: the peak is a few percent above the plan).
     spec = spec_of({"layers": 8, "width": 256, "heads": 4}, batch_size=8, seq_len=256)
     shape = model_shape(spec)
-    measured = subprocess.run([sys.executable, "-c", RESIDENT_MEMORY], capture_output=True, text=True, check=True,
+    measured = subprocess.run([sys.executable, "-c", RESIDENT_MEMORY, spec.model_dump_json()], capture_output=True,
+                              text=True, check=True,
                               cwd=Path(__file__).parents[1], env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
     kept, peak = map(int, measured.stdout.split())
     tokens = 8 * 256

@@ -296,17 +296,13 @@ def test_plan_command_profiles_with_the_run_s_own_learners(tmp_path, capsys):
     assert not (tmp_path / "never-written").exists()  # the profile's store is a temporary folder
 
 
-def test_plan_without_step_seconds_refuses_at_once_a_model_this_machine_cannot_step():
+def test_plan_without_step_seconds_refuses_at_once_a_model_this_machine_cannot_step(capsys):
     """The brief's 32B spec: measuring its inner steps here would hold its 8 learners' whole models at
     once. `plan` says so and what to pass instead, in one line, instead of starting them."""
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "plan", "configs/plan-brief-32b.yaml"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in done.stderr
+    assert main(["plan", "configs/plan-brief-32b.yaml"]) == 2
+    stderr = capsys.readouterr().err
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in stderr
     assert errors[0].startswith("error: cannot measure the inner steps here: the 8 learners")
     assert "--step-seconds gb300=S --step-seconds b300=S" in errors[0]
 
