@@ -208,6 +208,7 @@ def test_a_learner_on_several_nodes_under_srun_is_one_job_with_a_node_launcher_o
     assert (tmp_path / "srun-arguments.key").read_text() == "runs-secret-key"
 
 
+@pytest.mark.integration  # guarded learner processes of its own, each importing torch
 def test_a_learner_told_srun_started_it_runs_only_under_slurmstepd(tmp_path):
     """The parent check a learner makes: under srun its parent is Slurm's step daemon (here a shell
     named slurmstepd) and it starts; a process merely claiming srun started it is refused."""

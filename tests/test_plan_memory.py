@@ -188,6 +188,7 @@ print(kept, status("VmHWM") - before)
 """
 
 
+@pytest.mark.integration  # a process of its own, with torch
 def test_checkpointed_activations_are_what_a_forward_pass_keeps():
     # Each block keeps its fp32 input, the head its activations; backward then recomputes one block at a
     # time (its gradients' temporaries are not counted: the peak is a few percent above the plan).
