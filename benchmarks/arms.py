@@ -26,9 +26,9 @@ from training.baseline import BaselinePlan, train_baseline
 from training.learner.ledger import read_summaries
 from training.model.registry import build_model
 
-SEEDS = (0, 1, 2)
-SWEEP_SEED = 0
-MAX_SWEEP_POINTS = 7
+SEEDS = (0, 1, 2)  # the seeds a chosen setting runs on
+SWEEP_SEED = 0  # the one seed every sweep runs on
+MAX_SWEEP_POINTS = 7  # a sweep's grid grows past a winning edge up to this many points
 
 
 def validation_score(result: dict) -> float:
