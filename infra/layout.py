@@ -59,6 +59,20 @@ def mixed_slice_message(learner: int, round_index: int, fragment: int | None = N
     return f"{round_prefix(learner, round_index)}/{name}"
 
 
+def scattered_message(learner: int, round_index: int, fragment: int | None, shard: int) -> str:
+    """What a learner sends the owner of shard `shard` of the fragment's outer step (`sync.shard_outer_step`):
+    its pseudo-gradient there."""
+    name = f"message-to-{shard:03d}" if fragment is None else f"message-fragment-{fragment:03d}-to-{shard:03d}"
+    return f"{round_prefix(learner, round_index)}/{name}"
+
+
+def stepped_slice_message(learner: int, round_index: int, fragment: int | None = None) -> str:
+    """What a learner shares with the learners it shares an anchor with, when each takes the outer step
+    of its own shard of the fragment (`sync.shard_outer_step`): its shard of the new anchor."""
+    name = "message-stepped" if fragment is None else f"message-stepped-fragment-{fragment:03d}"
+    return f"{round_prefix(learner, round_index)}/{name}"
+
+
 def checkpoint(learner: int, round_index: int) -> str:
     """A learner's state after a round; it exists only once its JSON manifest does."""
     return f"{round_prefix(learner, round_index)}/checkpoint"

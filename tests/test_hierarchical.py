@@ -30,16 +30,16 @@ SHAMPOO = {"name": "shampoo", "lr": 0.7, "momentum": 0.5, "shampoo": {"start_pre
 
 
 def spec_of(tmp_path, outer=PLAIN_MEAN, every=2, fragments=1, compression="none", mode="hierarchical", timeout=10,
-            learners=(2, 2)):
+            learners=(2, 2), shard=True):
     """Two islands (of two learners each unless `learners` says otherwise) whose rounds weigh differently
-    (batch 2 and 4)."""
+    (batch 2 and 4); `shard`: sync.shard_outer_step."""
     return parse_spec({
         "name": "hierarchical",
         "islands": [{"name": f"island-{i}", "learners": n, "batch_size": 2 * (i + 1), "seq_len": 8, "inner_steps": 2}
                     for i, n in enumerate(learners)],
         "model": {"layers": 2, "width": 8, "heads": 2},
         "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}]},
-        "sync": {"mode": mode, "rounds": 4, "partner_timeout_s": timeout, "outer": outer,
+        "sync": {"mode": mode, "rounds": 4, "partner_timeout_s": timeout, "outer": outer, "shard_outer_step": shard,
                  **({"inter_island_every": every} if mode != "allreduce" else {}),
                  "transport": {"fragments": fragments, "compression": compression}},
         "store": {"url": str(tmp_path / "store")},
@@ -157,7 +157,8 @@ def test_a_crossing_gives_every_learner_the_islands_token_weighted_mean(tmp_path
 @pytest.mark.parametrize("outer, compression", [(SHAMPOO, "none"), (NESTEROV, "int4")])
 def test_an_island_s_learners_share_anchor_and_outer_state_and_a_crossing_gives_all_one_anchor(
         tmp_path, outer, compression):
-    spec = spec_of(tmp_path, outer=outer, every=2, fragments=2, compression=compression)
+    # The whole step on every learner (tests/test_sharded_outer.py: the sharded one gives the same anchors).
+    spec = spec_of(tmp_path, outer=outer, every=2, fragments=2, compression=compression, shard=False)
     group = Group(spec, tmp_path)
     for t in range(4):  # fragment 0 crosses in round 2, fragment 1 in round 3
         group.train(t)
@@ -220,8 +221,9 @@ def test_inter_island_bytes_flow_only_in_crossings_and_are_the_planned_bytes(tmp
 def test_a_miss_leaves_the_peer_out_and_is_recorded(tmp_path):
     """Learner 3's restart skipped the round: its island partner's mean is its own and keeps its island's
     own second slice, and learner 1, who carries island 0's second slice, leaves island 1 out of that
-    slice's mean; learners 0 and 1 still agree, and the first slice is both islands' mean everywhere."""
-    spec = spec_of(tmp_path, every=1)
+    slice's mean; learners 0 and 1 still agree, and the first slice is both islands' mean everywhere.
+    (The whole step on every learner: tests/test_sharded_outer.py has a sharded step's misses.)"""
+    spec = spec_of(tmp_path, every=1, shard=False)
     group = Group(spec, tmp_path, learners=[0, 1, 2], skipped=lambda peer, round_index: peer == 3)
     group.train(0)
     results = group.exchange(0)
@@ -233,7 +235,7 @@ def test_a_miss_leaves_the_peer_out_and_is_recorded(tmp_path):
     anchors = [x.anchors() for x in group.exchangers]
     assert torch.equal(group.weights[0], group.weights[1]) and torch.equal(anchors[0], anchors[1])
     index = group.exchangers[0].fragment_of(0).index
-    _, half = sync_mode(spec, group.exchangers[0].layout.sizes).slices[0][0]
+    _, half = group.exchangers[0].mode.slices[0][0]
     assert torch.equal(anchors[0][index[:half]], anchors[2][index[:half]])
     assert not torch.equal(anchors[0][index[half:]], anchors[2][index[half:]])
     assert all(bool(torch.isfinite(w).all()) for w in group.weights[:3])
@@ -259,7 +261,7 @@ def test_the_spec_takes_inter_island_every_and_refuses_a_fragment_too_small_to_s
     spec = spec_of(tmp_path, every=3)
     assert spec.sync.mode == "hierarchical" and spec.sync.inter_island_every == 3
     with pytest.raises(ValueError, match="fragment 0 has 1 parameters, fewer than island island-0's 2 learners"):
-        sync_mode(spec, [1, 100])
+        sync_mode(spec, [[1], [100]])
     raw = spec.model_dump(mode="json")
     raw["sync"]["mode"] = "allreduce"
     with pytest.raises(SpecError, match="inter_island_every"):

@@ -73,13 +73,19 @@ def test_a_reader_that_waits_polls_more_than_once(tmp_path):
     assert transport.counters["intra"].polls > 1 and transport.counters["intra"].requests == 0
 
 
-def test_plans_count_a_message_s_requests_for_its_writer_and_each_reader():
-    spec = spec_of("allreduce", learners=2, rounds=3)
-    size = message_bytes(spec, fragment_sizes(spec)[0])
+@pytest.mark.parametrize("shard", [False, True])
+def test_plans_count_a_message_s_requests_for_its_writer_and_each_reader(shard):
+    raw = spec_of("allreduce", learners=2, rounds=3).model_dump(mode="json")
+    raw["sync"]["shard_outer_step"] = shard
+    spec = parse_spec(raw)
+    assert message_requests(spec, message_bytes(spec, fragment_sizes(spec)[0])) == 2  # a part and its commit
     for plan in replay(spec, {"i0": 0.1, "i1": 0.2}, 1e9):
-        # 4 learners: each round a learner writes one message and reads the 3 others'.
-        assert plan.requests == 3 * (message_requests(spec, size) + 3 * (message_requests(spec, size) - 1))
-        assert plan.polls == 3 * 3
+        # 4 learners. The whole step: each round a learner writes one message and reads the 3 others'.
+        # Sharded: it writes its pseudo-gradient on each of the 3 others' shards and its own shard of the
+        # anchor, and reads the 3 others' of each.
+        writes, reads = (4, 6) if shard else (1, 3)
+        assert plan.requests == 3 * (2 * writes + reads)
+        assert plan.polls == 3 * reads
 
 
 def test_fragments_cover_the_model_as_the_learners_split_it():

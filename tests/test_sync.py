@@ -141,13 +141,20 @@ def test_a_poisoned_message_is_refused_before_it_is_mixed():
     assert bool(torch.isfinite(new).all())
 
 
-def test_all_reduce_mixes_every_peer_and_sends_only_the_pseudo_gradient():
-    spec, transport = spec_of("allreduce", islands=3), FakeChannel()
+@pytest.mark.parametrize("shard", [False, True])
+def test_all_reduce_mixes_every_peer_and_sends_only_the_pseudo_gradient(shard):
+    """Every learner takes the whole step from every peer's pseudo-gradient; or, sharded, each gets the
+    others' on its own shard and shares its shard of the new anchor: the same new weights."""
+    raw = spec_of("allreduce", islands=3).model_dump(mode="json")
+    raw["sync"]["shard_outer_step"] = shard
+    spec, transport = parse_spec(raw), FakeChannel()
     group = exchangers(spec, transport)
     weights = [moved(group[0].initial, seed) for seed in (1, 2, 3)]
     sent = [x.start(0, w) for x, w in zip(group, weights)]
     new = [x.apply(e, w)[0] for x, e, w in zip(group, sent, weights)]
-    assert all(set(tensors) == {"delta"} for tensors, _ in transport.messages.values())
+    for key, (tensors, _) in transport.messages.items():
+        assert set(tensors) == ({"anchor"} if key.endswith("message-stepped") else {"delta"}), key
+    assert any(key.endswith("message-stepped") for key in transport.messages) == shard
     assert torch.equal(new[0], new[1]) and torch.equal(new[1], new[2])
     tokens = [slot.tokens_per_round() for slot in spec.learners]
     want = sum(t * w for t, w in zip(tokens, weights)) / sum(tokens)

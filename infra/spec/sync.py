@@ -93,6 +93,12 @@ class SyncSpec(SpecModel):
                     "of a fragment; in the others each island only takes its exact mean. Rounds can then be short "
                     "for the islands' own fast links while the slow link is crossed this many times less often. "
                     "1: every time.")
+    shard_outer_step: bool = Field(
+        True, description="Allreduce and hierarchical, whose learners share an anchor (the run's, or the island's): "
+                          "each of them takes the outer step of its own shard of every fragment (whole parameters, "
+                          "about 1/N of it), keeps only that shard's outer optimizer state, and shares the shard of "
+                          "the new anchor with the others; the anchor is the one the whole step gives. Off: every "
+                          "learner takes the whole step, as each holds the whole state.")
     partner_timeout_s: float = Field(600, gt=0, le=MAX_WAIT_S,
                                      description="How long a learner waits for a partner's message.")
     partner_wait_rounds: float | None = Field(

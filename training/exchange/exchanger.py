@@ -34,8 +34,8 @@ from training.exchange.fragments import FragmentLayout, fragment_of_round
 from training.exchange.messages import ExpectedMessage, MessageRejected, accept_message, check_bounds
 from training.exchange.modes import Phase, sync_mode
 from training.exchange.outer import OuterOptimizer, StateRejected
-from training.exchange.plan import (CROSSING, CROSSING_RESIDUALS, ROUND, Exchange, ExchangeResult, Published, Receipt,
-                                    Received, expected_message, message_key)
+from training.exchange.plan import (CROSSING, CROSSING_RESIDUALS, ROUND, SCATTERED, Exchange, ExchangeResult, Published,
+                                    Receipt, Received, expected_message, message_key)
 
 
 @dataclass
@@ -72,11 +72,12 @@ class Exchanger:
         self.tau = settings.tau
         self.me = slot.index
         self.layout = FragmentLayout.build(model, settings.fragments, settings.layout)
-        self.mode = sync_mode(spec, self.layout.sizes)
         shapes = {name: p.shape for name, p in model.named_parameters()}
-        # Shampoo preconditions each weight matrix: every fragment's optimizer sees its parameters' shapes.
-        self.fragments = [Fragment(f, index, initial[index].clone(),
-                                   OuterOptimizer.from_spec(spec.sync.outer, [shapes[name] for name in names]))
+        self.mode = sync_mode(spec, [[shapes[name].numel() for name in names] for names in self.layout.names])
+        # Shampoo preconditions each weight matrix: every fragment's optimizer sees its parameters' shapes,
+        # those whose outer step this learner takes (`SyncMode.outer_span`).
+        self.fragments = [Fragment(f, index, initial[index].clone(), OuterOptimizer.from_spec(
+                                       spec.sync.outer, [shapes[names[i]] for i in self.mode.outer_parameters(f, self.me)]))
                           for f, (index, names) in enumerate(zip(self.layout.indices, self.layout.names))]
         # The reference anchors travel relative to, where the codec says so (`Codec.anchor_relative`).
         self.initial = initial
@@ -116,21 +117,50 @@ class Exchanger:
         return fragment.anchor + (fragment_weights - exchange.sent_weights), result
 
     def publish(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor) -> Published:
-        """Commit this round's message."""
+        """Commit this round's message (or, with a sharded outer step, its scattered pseudo-gradient)."""
         self.before_publish(round_index)
+        phase = self.mode.phases(self.me, round_index)[0]
+        if phase.kind == SCATTERED:
+            return self._scatter(round_index, anchor, delta, phase)
         fields = {name: value for name, value in (("anchor", anchor), ("delta", delta)) if name in self.mode.fields}
-        published = self.commit(round_index, ROUND, fields, self.mode.phases(self.me, round_index)[0])
+        published = self.commit(round_index, ROUND, fields, phase)
         published.sent = {"anchor": published.sent.get("anchor", anchor), "delta": published.sent["delta"]}
         return published
 
-    def commit(self, round_index: int, kind: str, fields: dict[str, torch.Tensor], phase: Phase) -> Published:
+    def _scatter(self, round_index: int, anchor: torch.Tensor, delta: torch.Tensor, phase: Phase) -> Published:
+        """Commit this round's pseudo-gradient on each peer's shard of the fragment's outer step to that
+        peer. This learner's own shard is encoded as a peer's would be, unsent: its owner mixes what it
+        would have sent, as every learner does with the whole message."""
+        fragment, codec = self.fragment_of(round_index), self.mode.codec(SCATTERED)
+        sent, residuals, nbytes = delta.clone(), [], 0
+        for owner in self.mode.anchor_group(self.me):
+            start, end = self.mode.outer_span(fragment.number, owner)
+            if owner != self.me and end > start:
+                published = self.commit(round_index, SCATTERED, {"delta": delta[start:end]}, phase, to=owner)
+                decoded, residual, nbytes = published.sent["delta"], published.residual, nbytes + published.bytes_written
+            elif codec.lossless:
+                decoded, residual = delta[start:end], {}
+            else:
+                _, encoded, residual = self.feedback.encode({"delta": delta[start:end]}, fragment.index[start:end])
+                decoded = encoded["delta"]
+            sent[start:end] = decoded
+            residuals.append(residual.get("delta", delta[start:end] - decoded))
+        residual = {"delta": torch.cat(residuals)} if self.feedback.enabled and not codec.lossless else {}
+        return Published({"anchor": anchor, "delta": sent}, residual, nbytes)
+
+    def commit(self, round_index: int, kind: str, fields: dict[str, torch.Tensor], phase: Phase,
+               to: int | None = None) -> Published:
         """Encode this learner's message of `kind` of a round (`fields`, over the fragment's elements the
-        mode says it carries) with the mode's codec for it, with error feedback where that is lossy, and
-        commit it; `sent`: the fields as peers decode them. If a previous life of this learner already
-        committed one, peers may have mixed with it: keep to what was sent."""
+        mode says it carries; a scattered one's, over those of the shard of `to`) with the mode's codec
+        for it, with error feedback where that is lossy, and commit it; `sent`: the fields as peers decode
+        them. If a previous life of this learner already committed one, peers may have mixed with it:
+        keep to what was sent."""
         fragment, codec = self.fragment_of(round_index), self.mode.codec(kind)
-        positions, expected = self._positions(fragment, self.me, kind), self._expected(self.me, round_index, kind)
-        key, link = message_key(len(self.fragments), self.me, round_index, kind), self._link_of([phase])
+        addressee = self.me if to is None else to
+        positions = self._positions(fragment, addressee, kind)
+        expected = self._expected(self.me, round_index, kind, to=to)
+        key = self._key(self.me, round_index, kind, to)
+        link = self._link_of([phase]) if to is None else self.links[to]
         residuals = CROSSING_RESIDUALS if kind == CROSSING else ""
         fields = codec.to_wire(fields, self.initial[positions])
         payload, decoded, residual = (dict(fields), dict(fields), {}) if codec.lossless else \
@@ -170,7 +200,8 @@ class Exchanger:
     def _fetch(self, peer: int, round_index: int, kind: str, deadline: float | None,
                own: dict[str, torch.Tensor] | None) -> Receipt:
         fragment, codec = self.fragment_of(round_index), self.mode.codec(kind)
-        key, expected = message_key(len(self.fragments), peer, round_index, kind), self._expected(peer, round_index, kind)
+        to = self.me if kind == SCATTERED else None  # a scattered message is addressed to its shard's owner
+        key, expected = self._key(peer, round_index, kind, to), self._expected(peer, round_index, kind, to=to)
         timeout = self.spec.sync.partner_timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         link = self.links[peer]
         wait_ends = time.monotonic() + timeout
@@ -190,7 +221,7 @@ class Exchanger:
             return self._missed(peer, round_index, f"unreachable: {err}")
         try:
             message = codec.from_wire(accept_message(payload, meta, expected, codec),
-                                      self.initial[self._positions(fragment, peer, kind)])
+                                      self.initial[self._positions(fragment, peer if to is None else to, kind)])
             if own is not None:
                 check_bounds(message, own)
         except MessageRejected as err:
@@ -211,13 +242,16 @@ class Exchanger:
             fragment.anchor = flat[fragment.index].float().cpu().clone()
 
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """The outer optimizers' and error feedback's tensors, and the outer optimizers' scalars."""
+        """The outer optimizers' and error feedback's tensors, and the outer optimizers' scalars, each
+        fragment's with the shard of it they cover (`shard`: its `SyncMode.outer_span`)."""
         tensors, scalars = {}, {}
-        if len(self.fragments) == 1:
-            tensors, scalars = self.fragments[0].outer_state
-        else:
-            for fragment in self.fragments:
-                fragment_tensors, scalars[f"fragment-{fragment.number}"] = fragment.outer_state
+        for fragment in self.fragments:
+            fragment_tensors, fragment_scalars = fragment.outer_state
+            fragment_scalars = {**fragment_scalars, "shard": list(self._shard(fragment))}
+            if len(self.fragments) == 1:
+                tensors, scalars = fragment_tensors, fragment_scalars
+            else:
+                scalars[f"fragment-{fragment.number}"] = fragment_scalars
                 tensors.update({f"fragment-{fragment.number}.{k}": v for k, v in fragment_tensors.items()})
         return {**tensors, **self.feedback.state_tensors()}, scalars
 
@@ -239,12 +273,19 @@ class Exchanger:
 
     def _outer_states(self, tensors: dict[str, torch.Tensor], scalars: dict):
         """(fragment, its outer optimizer's tensors, its scalars) out of `state_dict`'s layout: the state
-        as is with one fragment, under `fragment-<n>.` prefixes and keys with several."""
+        as is with one fragment, under `fragment-<n>.` prefixes and keys with several. A fragment's state
+        of another shard than this learner's (a peer's checkpoint it rejoins from, whose place in their
+        group differs) is left out: its optimizer starts afresh on its own shard."""
         if len(self.fragments) == 1:
-            return [(self.fragments[0], tensors, scalars)]
-        return [(fragment, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
-                 scalars.get(f"fragment-{fragment.number}", {}))
-                for fragment in self.fragments for prefix in [f"fragment-{fragment.number}."]]
+            states = [(self.fragments[0], tensors, scalars)]
+        else:
+            states = [(fragment, {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)},
+                       scalars.get(f"fragment-{fragment.number}", {}))
+                      for fragment in self.fragments for prefix in [f"fragment-{fragment.number}."]]
+        whole = lambda fragment: [0, int(fragment.index.numel())]  # noqa: E731 - a state saved unsharded
+        return [(fragment, fragment_tensors, fragment_scalars) for fragment, fragment_tensors, fragment_scalars in states
+                if not isinstance(fragment_scalars, dict)
+                or fragment_scalars.get("shard", whole(fragment)) == list(self._shard(fragment))]
 
     # -- on the transport thread ----------------------------------------------------------------
 
@@ -256,8 +297,11 @@ class Exchanger:
         result = ExchangeResult(published.sent, {"anchor": anchor, "delta": delta}, published.residual, [],
                                 published.bytes_written)
         result.seconds["publish"] = time.monotonic() - began
-        for peer in self.mode.phases(self.me, round_index)[0].sources:
-            receipt = self.receive(peer, round_index, deadline, own={"anchor": anchor, "delta": delta})
+        first = self.mode.phases(self.me, round_index)[0]
+        start, end = self.mode.span(self.fragment_of(round_index).number, self.me, first.kind)
+        for peer in first.sources:
+            receipt = self.receive(peer, round_index, deadline, kind=first.kind,
+                                   own={"anchor": anchor[start:end], "delta": delta[start:end]})
             if self.book(result, receipt, round_index):
                 result.received.append(receipt.message)
         mixing = time.monotonic()
@@ -288,6 +332,9 @@ class Exchanger:
     def mixes_own_exact(self) -> bool:
         return self.spec.sync.transport.mix_own_exact and not self.codec.lossless
 
+    def _shard(self, fragment: Fragment) -> tuple[int, int]:
+        return self.mode.outer_span(fragment.number, self.me)
+
     def _positions(self, fragment: Fragment, learner: int, kind: str) -> torch.Tensor:
         """Positions in the flat vector of what `learner`'s message of `kind` carries of `fragment`."""
         start, end = self.mode.span(fragment.number, learner, kind)
@@ -305,7 +352,11 @@ class Exchanger:
         """The exchange's priority on the transport: inter-island when any of its messages crosses islands."""
         return self._link_of(self.mode.phases(self.me, round_index))
 
-    def _expected(self, learner: int, round_index: int, kind: str = ROUND) -> ExpectedMessage:
-        """What learner `learner`'s message of `kind` of a round must be, by this learner's own plan."""
-        start, end = self.mode.span(self.fragment_of(round_index).number, learner, kind)
-        return expected_message(self.mode, learner, round_index, end - start, kind)
+    def _expected(self, learner: int, round_index: int, kind: str = ROUND, to: int | None = None) -> ExpectedMessage:
+        """What learner `learner`'s message of `kind` (to learner `to`) of a round must be, by this learner's own plan."""
+        start, end = self.mode.span(self.fragment_of(round_index).number, learner if to is None else to, kind)
+        return expected_message(self.mode, learner, round_index, end - start, kind, to=to)
+
+    def _key(self, learner: int, round_index: int, kind: str, to: int | None) -> str:
+        return message_key(len(self.fragments), learner, round_index, kind,
+                           shard=None if to is None else self.mode.position(to))

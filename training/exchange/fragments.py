@@ -81,3 +81,20 @@ def fragment_of_round(round_index: int, fragments: int) -> int:
 def exchange_count(round_index: int, fragments: int) -> int:
     """How many times this round's fragment was exchanged before: it picks the butterfly stage."""
     return round_index // fragments
+
+
+def whole_parameter_shards(parameter_sizes: list[int], parts: int) -> list[tuple[int, int]]:
+    """A fragment (its parameters' element counts, in order) cut into `parts` runs of whole parameters,
+    each (start, end) in the fragment's elements: cut k falls on the parameter boundary nearest k/parts
+    of the elements. An outer optimizer steps each parameter on its own (Shampoo's blocks and its
+    grafting's norm lie within one), so a step over each run gives the step over the whole. With fewer
+    parameters than parts, some runs are empty."""
+    bounds = [0]
+    for size in parameter_sizes:
+        bounds.append(bounds[-1] + size)
+    total, cuts = bounds[-1], [0]
+    for k in range(1, parts):
+        nearest = min(bounds, key=lambda b: (abs(b - k * total / parts), b))
+        cuts.append(max(cuts[-1], nearest))
+    cuts.append(total)
+    return list(zip(cuts, cuts[1:]))

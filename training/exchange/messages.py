@@ -61,6 +61,7 @@ class ExpectedMessage:
     anchor_from_initial: bool  # the anchor travels relative to the initial weights (`Codec.anchor_relative`)
     slice_index: int | None = None  # a hierarchical crossing's message: the sender's slice of its island's fragment
     mixed: bool = False  # a slice's islands' mean, shared inside the island after a crossing
+    stepped: bool = False  # a shard of the anchor its owner's outer step gave (`sync.shard_outer_step`)
 
     @property
     def max_bytes(self) -> int:
@@ -75,6 +76,8 @@ class ExpectedMessage:
             meta["slice"] = self.slice_index
         if self.mixed:
             meta["mixed"] = True
+        if self.stepped:
+            meta["stepped"] = True
         return meta
 
 

@@ -8,6 +8,7 @@ exchanger, which runs its phases (`training.exchange.exchanger`), and by the pla
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -16,11 +17,12 @@ import torch
 
 from infra.spec import RunSpec
 from training.exchange.compression import Codec
-from training.exchange.fragments import exchange_count, fragment_of_round
+from training.exchange.fragments import exchange_count, fragment_of_round, whole_parameter_shards
 from training.exchange.mixing import (butterfly_partner, crosses_islands_in, mean_over_islands, mix_pair, slice_bounds,
                                       stage_count, weighted_mean)
 from training.exchange.outer import OuterOptimizer
-from training.exchange.plan import CROSSING, CROSSING_FIELDS, CROSSING_RESIDUALS, MIXED, ROUND, ExchangeResult, Received
+from training.exchange.plan import (CROSSING, CROSSING_FIELDS, CROSSING_RESIDUALS, MIXED, ROUND, SCATTERED, STEPPED,
+                                    ExchangeResult, Received)
 from training.exchange.topology import Topology
 
 
@@ -35,22 +37,61 @@ class Phase:
 
 
 class SyncMode:
-    """A mode of one run. `fragment_sizes`, where given, are the model's fragments' elements (a mode that
-    slices fragments needs them to run or plan a round)."""
+    """A mode of one run. `fragment_parameters`, where given, are the element counts of each fragment's
+    parameters, in order (a mode that slices or shards fragments needs them to run or plan a round).
+    `shard_outer_step`: learners that share an anchor each step their own shard of it (`anchor_group`)."""
 
     fields: ClassVar[tuple[str, ...]]
 
     def __init__(self, topology: Topology, codec: Codec, fragments: int, inter_island_every: int = 1,
-                 fragment_sizes: list[int] | None = None):
+                 fragment_parameters: list[list[int]] | None = None, shard_outer_step: bool = False):
         self.topology, self.run_codec, self.fragments = topology, codec, fragments
-        self.inter_island_every, self.fragment_sizes = inter_island_every, fragment_sizes
+        self.inter_island_every, self.fragment_parameters = inter_island_every, fragment_parameters
+        self.fragment_sizes = None if fragment_parameters is None else [sum(p) for p in fragment_parameters]
+        self.sharded = shard_outer_step and any(len(self.anchor_group(me)) > 1 for me in range(topology.learners))
+
+    def anchor_group(self, me: int) -> tuple[int, ...]:
+        """The learners that hold the same anchor as learner `me` when no message is missed: they mix
+        the same messages the same way."""
+        return (me,)
+
+    def position(self, learner: int) -> int:
+        """The learner's place in its anchor group: which shard of a fragment's outer step it takes."""
+        return self.anchor_group(learner).index(learner)
+
+    def outer_span(self, fragment: int, learner: int) -> tuple[int, int]:
+        """The (start, end) of the fragment's elements whose outer step the learner takes and whose outer
+        optimizer state it keeps: whole parameters, the whole fragment unless the step is sharded."""
+        if not self.sharded:
+            return 0, self.fragment_sizes[fragment]
+        shards = whole_parameter_shards(self.fragment_parameters[fragment], len(self.anchor_group(learner)))
+        return shards[self.position(learner)]
+
+    def outer_parameters(self, fragment: int, learner: int) -> range:
+        """Which of the fragment's parameters (by their place in it) `outer_span` covers."""
+        bounds = list(itertools.accumulate(self.fragment_parameters[fragment], initial=0))
+        start, end = self.outer_span(fragment, learner)
+        return range(bounds.index(start), bounds.index(end))
 
     def peers(self, me: int, round_index: int) -> list[int]:
         raise NotImplementedError
 
     def phases(self, me: int, round_index: int) -> list[Phase]:
-        """The round's phases for learner `me`: every mode's first is the round's message."""
-        return [Phase(ROUND, tuple(self.peers(me, round_index)))]
+        """The round's phases for learner `me`: the round's message to its peers; with a sharded outer
+        step instead its pseudo-gradient on each peer's shard to that peer (a reduce-scatter), then its
+        shard of the anchor its step gave to them all (an all-gather). A learner with an empty shard (a
+        fragment of fewer parameters than its group has learners) reads no pseudo-gradient and sends no shard."""
+        peers = tuple(self.peers(me, round_index))
+        if not self.sharded:
+            return [Phase(ROUND, peers)]
+        fragment = fragment_of_round(round_index, self.fragments)
+        holds = [p for p in peers if self._holds_shard(fragment, p)]
+        owns = self._holds_shard(fragment, me)
+        return [Phase(SCATTERED, peers if owns else ()), Phase(STEPPED, tuple(holds), writes=owns)]
+
+    def _holds_shard(self, fragment: int, learner: int) -> bool:
+        start, end = self.outer_span(fragment, learner)
+        return end > start
 
     def period(self) -> int:
         """Rounds after which the pattern of peers and island crossings repeats: every fragment once."""
@@ -61,17 +102,21 @@ class SyncMode:
         for t in range(self.period()):
             for me in range(self.topology.learners):
                 links = self.topology.links(me)
-                if any(links[p] == "inter" for phase in self.phases(me, t) for p in phase.sources):
+                if any(links[p] == "inter" for p in self.peers(me, t)):
                     return t
         return 0
 
     def span(self, fragment: int, learner: int, kind: str) -> tuple[int, int]:
-        """The (start, end) of the fragment's elements that `learner`'s message of `kind` carries."""
+        """The (start, end) of the fragment's elements that `learner`'s message of `kind` carries; of a
+        scattered one, those of the shard of `learner`, its addressee."""
+        if kind in (STEPPED, SCATTERED):
+            return self.outer_span(fragment, learner)
         return 0, self.fragment_sizes[fragment]
 
     def codec(self, kind: str = ROUND) -> Codec:
-        """How a message of `kind` is encoded."""
-        return self.run_codec
+        """How a message of `kind` is encoded: a shard of the anchor exactly, which every learner of its
+        group takes as it is; the others with the run's codec."""
+        return Codec("none") if kind == STEPPED else self.run_codec
 
     def residual_fields(self) -> tuple[str, ...]:
         """The error-feedback residuals a learner keeps where its codec is lossy: its round message's fields."""
@@ -82,6 +127,33 @@ class SyncMode:
         """The fragment's next anchor once the round's message is sent and its peers' read (`result`).
         `runtime`: the learner's `Exchanger`, for a mode with later phases, whose reads end by `deadline`."""
         raise NotImplementedError
+
+    def shared_step(self, runtime, round_index: int, outer: OuterOptimizer, own: dict[str, torch.Tensor],
+                    result: ExchangeResult, deadline: float | None) -> torch.Tensor:
+        """The outer step from the group's shared anchor along its mean pseudo-gradient (of `own` and what
+        `result` received). Sharded: what arrived is each peer's pseudo-gradient on this learner's shard;
+        it steps the shard, shares it with its group and takes theirs. A shard that does not arrive
+        stays where the anchor was, until its owner's next step: a group's shards are their owners'."""
+        me, fragment = runtime.me, runtime.fragment_of(round_index)
+        start, end = self.outer_span(fragment.number, me)
+        anchor = own["anchor"]
+        mean = mean_delta(me, own["delta"][start:end], self.topology.tokens[me], result.received)
+        stepped = outer.step(anchor[start:end], mean)
+        if not self.sharded:
+            return stepped
+        phase = self.phases(me, round_index)[1]
+        if phase.writes:
+            shared = runtime.commit(round_index, STEPPED, {"anchor": stepped}, phase)
+            result.bytes_sent += shared.bytes_written
+        assembled = anchor.clone()
+        assembled[start:end] = stepped
+        for peer in phase.sources:
+            low, high = self.outer_span(fragment.number, peer)
+            receipt = runtime.receive(peer, round_index, deadline, kind=STEPPED,
+                                      own={"anchor": anchor[low:high], "delta": own["delta"][low:high]})
+            if runtime.book(result, receipt, round_index, stepped=True):
+                assembled[low:high] = receipt.message.fields["anchor"]
+        return assembled
 
 
 class Butterfly(SyncMode):
@@ -117,19 +189,22 @@ class AllReduce(SyncMode):
 
     fields = ("delta",)
 
-    def __init__(self, topology, codec, fragments, inter_island_every=1, fragment_sizes=None):
+    def __init__(self, topology, codec, fragments, inter_island_every=1, fragment_parameters=None,
+                 shard_outer_step=False):
         if inter_island_every > 1:
             raise ValueError(f"sync.inter_island_every: {inter_island_every} needs mode butterfly or hierarchical "
                              "(allreduce has no crossings to skip)")
-        super().__init__(topology, codec, fragments, inter_island_every, fragment_sizes)
+        super().__init__(topology, codec, fragments, inter_island_every, fragment_parameters, shard_outer_step)
+
+    def anchor_group(self, me):
+        return tuple(range(self.topology.learners))
 
     def peers(self, me, round_index):
         links = self.topology.links(me)
         return sorted((p for p in range(self.topology.learners) if p != me), key=lambda p: links[p] != "inter")
 
     def next_anchor(self, runtime, round_index, outer, own, result, deadline):
-        return outer.step(own["anchor"], mean_delta(runtime.me, own["delta"], self.topology.tokens[runtime.me],
-                                                    result.received))
+        return self.shared_step(runtime, round_index, outer, own, result, deadline)
 
 
 class Hierarchical(SyncMode):
@@ -144,10 +219,11 @@ class Hierarchical(SyncMode):
 
     fields = ("delta",)
 
-    def __init__(self, topology, codec, fragments, inter_island_every=1, fragment_sizes=None):
-        super().__init__(topology, codec, fragments, inter_island_every, fragment_sizes)
+    def __init__(self, topology, codec, fragments, inter_island_every=1, fragment_parameters=None,
+                 shard_outer_step=False):
+        super().__init__(topology, codec, fragments, inter_island_every, fragment_parameters, shard_outer_step)
         # Per fragment, per learner: the (start, end) of the slice of the fragment it carries across islands.
-        self.slices = [] if fragment_sizes is None else self.carried_slices(fragment_sizes)
+        self.slices = [] if self.fragment_sizes is None else self.carried_slices(self.fragment_sizes)
 
     def carried_slices(self, sizes: list[int]) -> list[list[tuple[int, int]]]:
         """Per fragment (of `sizes` elements), per learner: the slice of the fragment the learner carries
@@ -163,8 +239,11 @@ class Hierarchical(SyncMode):
         return [[slice_bounds(size, len(members[i]), members[i].index(i)) for i in range(self.topology.learners)]
                 for size in sizes]
 
+    def anchor_group(self, me):
+        return self.topology.members(me)
+
     def span(self, fragment, learner, kind):
-        return super().span(fragment, learner, kind) if kind == ROUND else self.slices[fragment][learner]
+        return self.slices[fragment][learner] if kind in (CROSSING, MIXED) else super().span(fragment, learner, kind)
 
     def peers(self, me, round_index):
         links = self.topology.links(me)
@@ -182,11 +261,11 @@ class Hierarchical(SyncMode):
     def phases(self, me, round_index):
         island = tuple(self.peers(me, round_index))
         if not self.crosses(round_index):
-            return [Phase(ROUND, island)]
+            return super().phases(me, round_index)
         slices = self.slices[fragment_of_round(round_index, self.fragments)]
         # An island of one has no one to share its mix with.
-        return [Phase(ROUND, island), Phase(CROSSING, self.crossing_sources(me, slices)),
-                Phase(MIXED, island, writes=bool(island))]
+        return super().phases(me, round_index) + [Phase(CROSSING, self.crossing_sources(me, slices)),
+                                                  Phase(MIXED, island, writes=bool(island))]
 
     def crossing_sources(self, me: int, slices: list[tuple[int, int]]) -> tuple[int, ...]:
         """Whose slices a learner reads in a crossing: the other islands' learners whose slice of the
@@ -198,6 +277,7 @@ class Hierarchical(SyncMode):
                      if links[p] == "inter" and slices[p][0] < end and start < slices[p][1])
 
     def codec(self, kind=ROUND):
+        """Inside the island, on its own fast path, exactly; a crossing with the run's codec."""
         return self.run_codec if kind == CROSSING else Codec("none")
 
     def residual_fields(self):
@@ -208,11 +288,10 @@ class Hierarchical(SyncMode):
         """The island's outer step along its mean pseudo-gradient; in a round that crosses islands, then
         the islands' mean of the anchors that step gave."""
         me = runtime.me
-        anchor = outer.step(own["anchor"], mean_delta(me, own["delta"], self.topology.tokens[me], result.received))
-        phases = self.phases(me, round_index)
-        if len(phases) > 1:
+        anchor = self.shared_step(runtime, round_index, outer, own, result, deadline)
+        if self.crosses(round_index):
             crossing = time.monotonic()
-            anchor = self._cross(runtime, round_index, anchor, phases[1:], result, deadline)
+            anchor = self._cross(runtime, round_index, anchor, self.phases(me, round_index)[-2:], result, deadline)
             result.seconds["cross"] = time.monotonic() - crossing
         return anchor
 
@@ -275,8 +354,8 @@ def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Rec
 MODES: dict[str, type[SyncMode]] = {"butterfly": Butterfly, "allreduce": AllReduce, "hierarchical": Hierarchical}
 
 
-def sync_mode(spec: RunSpec, fragment_sizes: list[int] | None = None) -> SyncMode:
-    """The spec's sync mode, built with the run's settings."""
+def sync_mode(spec: RunSpec, fragment_parameters: list[list[int]] | None = None) -> SyncMode:
+    """The spec's sync mode, built with the run's settings; `fragment_parameters`: see `SyncMode`."""
     sync, transport = spec.sync, spec.sync.transport
     return MODES[sync.mode](Topology.of(spec), Codec(transport.compression, transport.scale_chunk, transport.topk),
-                            transport.fragments, sync.inter_island_every, fragment_sizes)
+                            transport.fragments, sync.inter_island_every, fragment_parameters, sync.shard_outer_step)

@@ -51,7 +51,8 @@ class OuterOptimizer:
         """`materialise_state` makes the optimizer build its per-parameter state (to be overwritten by a restore)."""
         self.params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
         self.sizes = [p.numel() for p in self.params]
-        self.optimizer = build(self.params)
+        # A learner whose shard of a fragment's outer step holds no parameter (fewer than its group) steps nothing.
+        self.optimizer = build(self.params) if self.params else None
         self._materialise_state = materialise_state
 
     @classmethod
@@ -77,7 +78,8 @@ class OuterOptimizer:
     def materialise_state(self) -> None:
         """Build the optimizer's per-parameter state as its first step does: to be overwritten by a
         restore, or counted (`training.planning.memory`, on the meta device)."""
-        self._materialise_state(self.optimizer)
+        if self.optimizer is not None:
+            self._materialise_state(self.optimizer)
 
     def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [part.view_as(p) for part, p in zip(flat.split(self.sizes), self.params)]
@@ -85,6 +87,8 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(self, anchor: torch.Tensor, pseudo_gradient: torch.Tensor) -> torch.Tensor:
         """Next anchor: one optimizer step from `anchor` with `pseudo_gradient` as the gradient."""
+        if self.optimizer is None:
+            return anchor.clone()
         for p, a, g in zip(self.params, self._views(anchor), self._views(pseudo_gradient)):
             p.copy_(a)
             p.grad = g.clone()  # optimizers may edit the gradient in place
@@ -98,6 +102,8 @@ class OuterOptimizer:
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """(tensors for safetensors, JSON scalars): everything the next step depends on."""
         tensors, scalars = {}, {"groups": [], "params": {}}
+        if self.optimizer is None:
+            return tensors, scalars
         for i, p in enumerate(self.params):
             for path, slot in _slots(self.optimizer.state.get(p, {})):
                 value = slot.template
@@ -115,6 +121,10 @@ class OuterOptimizer:
         ours = {k[len(TENSOR_PREFIX):]: v for k, v in tensors.items() if k.startswith(TENSOR_PREFIX)}
         params = scalars.get("params", {}) if isinstance(scalars, dict) else None
         groups = scalars.get("groups", []) if isinstance(scalars, dict) else None
+        if self.optimizer is None and (ours or params or groups):
+            raise StateRejected("outer optimizer state: this learner's shard of the fragment has no parameters")
+        if self.optimizer is None:
+            return
         if not isinstance(params, dict) or not isinstance(groups, list) or len(groups) > len(self.optimizer.param_groups):
             raise StateRejected("outer optimizer state: scalars are not {params: {...}, groups: [...]}")
         for saved in groups:

@@ -3,7 +3,9 @@ expects of it, and the records an exchange leaves behind.
 
 A learner's messages of a round: its round's message (`ROUND`); in hierarchical mode, in a round that
 crosses islands, its slice of its island's anchor for the other islands (`CROSSING`), then that slice's
-islands' mean for its own island (`MIXED`). Which of them a round has, and who reads whose, is the
+islands' mean for its own island (`MIXED`); where learners that share an anchor each step their own shard
+of it, its pseudo-gradient on each of their shards for its owner (`SCATTERED`, in place of the round's
+message) and then its own shard of the new anchor for them (`STEPPED`). Which of them a round has, and who reads whose, is the
 sync mode's (`training.exchange.modes`).
 """
 
@@ -18,29 +20,35 @@ from infra import layout
 from training.exchange.fragments import fragment_of_round
 from training.exchange.messages import ExpectedMessage
 
-ROUND, CROSSING, MIXED = "round", "crossing", "mixed"
+ROUND, CROSSING, MIXED, STEPPED, SCATTERED = "round", "crossing", "mixed", "stepped", "scattered"
 CROSSING_FIELDS = ("anchor",)  # the fields of a crossing's and of a mixed slice's message
 CROSSING_RESIDUALS = "crossing."  # where a crossing's message keeps its error-feedback residuals
 
 
-def message_key(fragments: int, learner: int, round_index: int, kind: str = ROUND) -> str:
-    """Where learner `learner`'s message of `kind` of a round lies."""
+def message_key(fragments: int, learner: int, round_index: int, kind: str = ROUND, shard: int | None = None) -> str:
+    """Where learner `learner`'s message of `kind` of a round lies; a scattered one's, for the owner of
+    shard `shard`."""
     fragment = fragment_of_round(round_index, fragments) if fragments > 1 else None
-    key = {ROUND: layout.message, CROSSING: layout.crossing_message, MIXED: layout.mixed_slice_message}[kind]
+    if kind == SCATTERED:
+        return layout.scattered_message(learner, round_index, fragment, shard)
+    key = {ROUND: layout.message, CROSSING: layout.crossing_message, MIXED: layout.mixed_slice_message,
+           STEPPED: layout.stepped_slice_message}[kind]
     return key(learner, round_index, fragment)
 
 
-def expected_message(mode, learner: int, round_index: int, numel: int, kind: str = ROUND) -> ExpectedMessage:
+def expected_message(mode, learner: int, round_index: int, numel: int, kind: str = ROUND,
+                     to: int | None = None) -> ExpectedMessage:
     """What learner `learner`'s message of `kind` of a round is by the run's plan (`mode`: the run's
     `SyncMode`), `numel` elements a field. A crossing's message carries the learner's slice of its
-    island's anchor, a mixed slice's the islands' mean of that slice."""
+    island's anchor, a mixed slice's the islands' mean of that slice, a stepped shard's the anchor its
+    outer step gave there, a scattered one its pseudo-gradient on the shard of learner `to`."""
     sliced = kind != ROUND
+    fields = ("delta",) if kind == SCATTERED else CROSSING_FIELDS if sliced else mode.fields
     return ExpectedMessage(learner=learner, round=round_index, fragment=fragment_of_round(round_index, mode.fragments),
-                           tokens=mode.topology.tokens[learner], numel=numel,
-                           fields=CROSSING_FIELDS if sliced else mode.fields,
+                           tokens=mode.topology.tokens[learner], numel=numel, fields=fields,
                            anchor_from_initial=mode.codec(kind).anchor_relative,
-                           slice_index=mode.topology.members(learner).index(learner) if sliced else None,
-                           mixed=kind == MIXED)
+                           slice_index=mode.position(learner if to is None else to) if sliced else None,
+                           mixed=kind == MIXED, stepped=kind == STEPPED)
 
 
 def partner_wait_s(sync, round_compute_s: float) -> float | None:

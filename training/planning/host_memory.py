@@ -6,7 +6,9 @@ The host of a learner's rank 0 holds (`learner_host`):
     optimizer's parameter-shaped copy of them, its state (Nesterov's momentum, or Shampoo's momentum,
     graft and per-block statistics and preconditioners) and the snapshot of that state checkpoints are
     written from, the error-feedback residual of both message fields when compression is lossy (in
-    hierarchical mode a crossing's one field, its rounds' messages going exact). Every rank of the
+    hierarchical mode a crossing's one field, its rounds' messages going exact). With a sharded outer
+    step (`sync.shard_outer_step`) the outer optimizer's copy, state and snapshot are of the learner's
+    shard only, about 1/n of them for a group of n learners sharing an anchor. Every rank of the
     learner on that host keeps all of it: each builds the learner's exchanger, and a resume restores
     the state into each, though only rank 0 exchanges;
   * both of what comes and goes, as they overlap (a checkpoint is written in the background while the
@@ -58,11 +60,20 @@ def residual_bytes(spec: RunSpec, parameters: int) -> int:
     return len(mode.residual_fields()) * FP32 * parameters if lossy else 0
 
 
-def exchange_state(spec: RunSpec, sizes: ModelSizes) -> dict[str, int]:
-    """The exchange's state one rank of a learner keeps, by part (see the module's docstring)."""
-    vector = FP32 * sizes.parameters
-    return {"initial weights": vector, "anchors": vector, "outer parameters": vector,
-            "outer state": FP32 * sizes.outer_state, "outer state snapshot": FP32 * sizes.outer_state,
+def outer_shards(spec: RunSpec, island: IslandSpec | None = None) -> int:
+    """How many learners share the outer step of `island`'s learners (the first island's if None): with
+    `sync.shard_outer_step` in a mode whose learners share an anchor, each keeps about that share of the
+    outer optimizer's parameters and state (its shard is whole parameters: a share of them, not exactly)."""
+    mode = sync_mode(spec)
+    me = next(slot.index for slot in spec.learners if island is None or slot.island.name == island.name)
+    return len(mode.anchor_group(me)) if mode.sharded else 1
+
+
+def exchange_state(spec: RunSpec, sizes: ModelSizes, island: IslandSpec | None = None) -> dict[str, int]:
+    """The exchange's state one rank of one of `island`'s learners keeps, by part (see the module's docstring)."""
+    vector, shards = FP32 * sizes.parameters, outer_shards(spec, island)
+    return {"initial weights": vector, "anchors": vector, "outer parameters": vector // shards,
+            "outer state": FP32 * sizes.outer_state // shards, "outer state snapshot": FP32 * sizes.outer_state // shards,
             "error-feedback residual": residual_bytes(spec, sizes.parameters)}
 
 
@@ -88,7 +99,7 @@ def exchange_in_flight(spec: RunSpec, island: IslandSpec, sizes: ModelSizes) -> 
     decoded = 0 if mode.run_codec.lossless else fields  # lossless: the fields themselves
     residuals = fields if residual_bytes(spec, 1) else 0
     vectors = 2 + decoded + residuals + peers_per_exchange(spec, island) * fields + 3
-    outer_share = sizes.outer_state * sizes.largest_fragment // sizes.parameters
+    outer_share = sizes.outer_state * sizes.largest_fragment // sizes.parameters // outer_shards(spec, island)
     return FP32 * (vectors * sizes.largest_fragment + outer_share)
 
 
@@ -98,7 +109,7 @@ def learner_host(spec: RunSpec, island: IslandSpec, sizes: ModelSizes, rank_peak
     peak, which lives on the host under device cpu; `ranks`: the learner's ranks on that host, if not
     the island's processes per node."""
     ranks = ranks or island.processes_per_node
-    state = sum(exchange_state(spec, sizes).values())
+    state = sum(exchange_state(spec, sizes, island).values())
     return {"ranks on cpu": ranks * rank_peak if island.device == "cpu" else 0,
             "exchange state": state, "other ranks' exchange state": (ranks - 1) * state,
             "checkpoint staging": checkpoint_staging(spec, sizes),

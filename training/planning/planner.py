@@ -17,6 +17,7 @@ machine. `benchmarks/shaped_link.py` measures what those cost and sets the plan 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -31,7 +32,7 @@ from training.model.registry import build_model
 from training.planning.profile import check_profiling_fits_here, measure_step_seconds
 from training.planning.windows import Stretch, WindowedClock, windows_plan
 from training.exchange.modes import SyncMode, sync_mode
-from training.exchange.plan import ROUND, expected_message, message_key
+from training.exchange.plan import ROUND, SCATTERED, expected_message, message_key
 
 UTILISATION_GOALS = (0.90, 0.95, 0.99)
 # Messages of fragments up to this many elements are encoded for their size; larger ones are sized by
@@ -43,19 +44,36 @@ _FIT_SIZES = (1 << 12, 1 << 13)
 def fragment_sizes(spec: RunSpec) -> list[int]:
     """Elements of each fragment, from the model's parameter shapes alone (built on the meta
     device, so a plan for billions of parameters allocates nothing)."""
-    with torch.device("meta"):
-        model = build_model(spec)
-    return fragment_sizes_of(model, spec)
+    return [sum(sizes) for sizes in fragment_parameters(spec)]
+
+
+def fragment_parameters(spec: RunSpec) -> list[list[int]]:
+    """Each fragment's parameters' elements, in their order in it, as `fragment_sizes` finds them; kept
+    per model and fragment layout, as a plan replays the run for every link it tries and a large model
+    takes a second to build even on the meta device."""
+    transport = spec.sync.transport
+    key = json.dumps([spec.model.model_dump(mode="json"), spec.vocab_size, spec.max_seq_len, transport.fragments,
+                      transport.layout], sort_keys=True)
+    if key not in _FRAGMENT_PARAMETERS:
+        with torch.device("meta"):
+            model = build_model(spec)
+        _FRAGMENT_PARAMETERS[key] = fragment_parameters_of(model, spec)
+    return [list(sizes) for sizes in _FRAGMENT_PARAMETERS[key]]
+
+
+_FRAGMENT_PARAMETERS: dict[str, list[list[int]]] = {}
 
 
 def fragment_sizes_of(model: torch.nn.Module, spec: RunSpec) -> list[int]:
     """Elements of each fragment of `model`, dealt as the spec's transport deals them."""
+    return [sum(sizes) for sizes in fragment_parameters_of(model, spec)]
+
+
+def fragment_parameters_of(model: torch.nn.Module, spec: RunSpec) -> list[list[int]]:
+    """Each fragment's parameters' elements in `model`, in flat-parameter order (`FragmentLayout`'s)."""
     named = [(name, p.numel()) for name, p in model.named_parameters()]
     owner = assign_fragments(named, model.block_of, spec.sync.transport.fragments, spec.sync.transport.layout)
-    sizes = [0] * spec.sync.transport.fragments
-    for name, numel in named:
-        sizes[owner[name]] += numel
-    return sizes
+    return [[numel for name, numel in named if owner[name] == f] for f in range(spec.sync.transport.fragments)]
 
 
 def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int = 0, kind: str = ROUND) -> int:
@@ -79,7 +97,8 @@ def message_bytes(spec: RunSpec, numel: int, learner: int = 0, round_index: int 
     else:  # too large to encode here: affine in the elements, up to a chunk's padding
         small, large = (tensors(n) for n in _FIT_SIZES)
         nbytes = round(small + (large - small) / (_FIT_SIZES[1] - _FIT_SIZES[0]) * (numel - _FIT_SIZES[0]))
-    key = message_key(settings.fragments, learner, round_index, kind)
+    key = message_key(settings.fragments, learner, round_index, kind,
+                      shard=mode.position(learner) if kind == SCATTERED else None)
     commit = {"tensors": ObjectRef(f"{key}.safetensors", "0" * 64, nbytes).to_json(), **expected.metadata()}
     signature = None if spec.signing is None else placeholder_signature(spec.learners[learner].island.name)
     return nbytes + len(json_document(commit, signature=signature))
@@ -135,7 +154,7 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
     """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
     windows, each computes only inside its island's (`training.planning.windows`)."""
     slots = spec.learners
-    settings, mode = spec.sync.transport, sync_mode(spec, fragment_sizes(spec))
+    settings, mode = spec.sync.transport, sync_mode(spec, fragment_parameters(spec))
     links_of = [mode.topology.links(s.index) for s in slots]
     sizes = sizes or MessageSizes.of(spec, mode)
     plans = [LearnerPlan(s.index, s.island.name) for s in slots]
@@ -145,14 +164,18 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
     busy_until: dict[tuple[str, str], float] = {}  # the link, each direction
 
     def read(ready: list[float], published: list[float], sources: list[list[int]], size_of: list[int],
-             writes: list[bool] | None = None) -> None:
+             writes: list[bool] | None = None, addressed: bool = False) -> None:
         """Each learner writes its message (`size_of[learner]` bytes, committed at `published`; where
         `writes` says so) and reads its sources', one after another from when it is `ready`; the link
-        carries one transfer a direction at a time."""
+        carries one transfer a direction at a time. `addressed`: each source writes the reader a message
+        of its own (`size_of[reader]` bytes), read by it alone."""
         transfers = sorted(((published[me], me, peer) for me in range(len(slots)) for peer in sources[me]),
                            key=lambda item: (max(item[0], published[item[2]]), item[1]))
         for _, me, peer in transfers:
-            nbytes = size_of[peer]
+            nbytes = size_of[me if addressed else peer]
+            if addressed:
+                plans[peer].bytes_written += nbytes
+                plans[peer].requests += message_requests(spec, nbytes)
             start = max(ready[me], published[peer])
             if links_of[me][peer] == "inter":
                 direction = (slots[peer].island.name, slots[me].island.name)
@@ -165,7 +188,7 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
             plans[me].requests += message_requests(spec, nbytes) - 1
             plans[me].polls += 1
         for plan in plans:
-            if writes is None or writes[plan.learner]:
+            if not addressed and (writes is None or writes[plan.learner]):
                 plan.bytes_written += size_of[plan.learner]
                 plan.requests += message_requests(spec, size_of[plan.learner])
 
@@ -187,7 +210,7 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
         # crossing's slice once its island's mean is taken, then the slice's mix).
         for phases in zip(*(mode.phases(s.index, t) for s in slots)):
             read(ready, list(ready), [phase.sources for phase in phases], sizes.bytes[phases[0].kind][fragment],
-                 writes=[phase.writes for phase in phases])
+                 writes=[phase.writes for phase in phases], addressed=phases[0].kind == SCATTERED)
         for s, plan in zip(slots, plans):
             if settings.tau == 0 or t == spec.sync.rounds - 1:
                 wait = max(0.0, ready[s.index] - clock[s.index])
@@ -216,7 +239,7 @@ def bandwidth_for(spec: RunSpec, step_seconds: dict[str, float], goal: float,
     unlimited link does not (the islands wait on each other's compute, or on their own rounds'
     overhead). `sizes`: the run's messages' bytes (`MessageSizes.of`),
     when the caller has them."""
-    sizes = sizes or MessageSizes.of(spec, sync_mode(spec, fragment_sizes(spec)))
+    sizes = sizes or MessageSizes.of(spec, sync_mode(spec, fragment_parameters(spec)))
 
     def utilisation(link_bps: float) -> float:
         return steady_utilisation(replay(spec, step_seconds, link_bps, sizes, round_overhead_s))
@@ -239,8 +262,9 @@ def plan_run(spec: RunSpec, step_seconds: dict[str, float], link_bps: float, sta
     missing = sorted({s.island.name for s in spec.learners} - set(step_seconds))
     if missing:
         raise ValueError(f"no seconds per inner step for island(s) {', '.join(missing)}")
-    fragments = fragment_sizes(spec)
-    sizes = MessageSizes.of(spec, sync_mode(spec, fragments))
+    parameters = fragment_parameters(spec)
+    fragments = [sum(sizes) for sizes in parameters]
+    sizes = MessageSizes.of(spec, sync_mode(spec, parameters))
     plans = replay(spec, step_seconds, link_bps, sizes, round_overhead_s)
     islands = {}
     for island in spec.islands:
