@@ -169,7 +169,9 @@ def settings_markdown(spec: RunSpec, report: dict) -> str:
         "## Consensus",
         f"Max relative distance of a learner's weights from their mean: "
         f"{report['consensus']['max_weight_distance']:.4f}; utilisation {report['utilisation']:.3f}; "
-        f"wall time {report['wall_seconds']:.1f} s.",
+        f"wall time {report['wall_seconds']:.1f} s." + "".join(
+            f" Learner {learner} left out of the model: {reason}."
+            for learner, reason in report["consensus"].get("learners_dropped", {}).items()),
         "## Trust",
         ("Records signed by their writers and checked by their readers" if report["trust"]["authenticated"] else
          "**Unauthenticated run**: no signing keys in the spec, so a store writer could plant records") +

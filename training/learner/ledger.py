@@ -147,6 +147,8 @@ class LearnerSummary(Ledger):
     store: dict = field(default_factory=dict)  # the store client's request, retry and byte counters
     store_url: str = ""  # the learner's own store: its island's, where its checkpoints and messages went
     store_faults_injected: dict = field(default_factory=dict)
+    # The checkpoint consolidation reads as this learner's final state: its key and the sha256 of its tensors.
+    final_checkpoint: dict | None = None
 
     @classmethod
     def of(cls, ledger: Ledger, tokens_per_round: int, **rest) -> "LearnerSummary":

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from infra import layout, watchdog
 from infra.spec import LearnerSlot, RunSpec
-from infra.store import ObjectStore
+from infra.store import ObjectStore, StoreError
 from infra.stores import RunStores
 from training.exchange.transport import Transport
 from infra.spec.windows import round_fits
@@ -233,9 +233,19 @@ class Learner:
             processes=self.world, rejoined_from=self.rejoined_from, lives=self.lives.of(self.slot.index),
             links=self.transport.report(), stores=dict(self.transport.by_store), store_url=self.store.url,
             fragment_sizes=self.exchanger.layout.sizes, store=dict(self.store.stats),
-            store_faults_injected=dict(getattr(self.store.fs, "counts", {})))
+            store_faults_injected=dict(getattr(self.store.fs, "counts", {})),
+            final_checkpoint=self._final_checkpoint())
         write_summary(self.store, self.spec, summary)
         emit("done", learner=self.slot.index)
+
+    def _final_checkpoint(self) -> dict | None:
+        """The final round's checkpoint as this learner committed it (its commit, read back verified), or
+        None where something else took that key first (`CheckpointWriter` skipped it)."""
+        key = layout.checkpoint(self.slot.index, self.spec.sync.rounds - 1)
+        try:
+            return {"key": key, "sha256": self.store.get_json(f"{key}.json")["tensors"]["sha256"]}
+        except (StoreError, KeyError, TypeError):
+            return None
 
     # -- capacity windows -----------------------------------------------------------------------------
 
