@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from infra.objects import signed_tail
 from infra.store_errors import IntegrityError
 
 CONTROL = "control"
@@ -72,6 +73,13 @@ def generate_keypair() -> tuple[str, str]:
                                         serialization.NoEncryption())
     raw_public = private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return encode_key(raw_private), encode_key(raw_public)
+
+
+def public_key_from_private(text: str) -> str:
+    """The public key (base64) of a private key (base64)."""
+    from cryptography.hazmat.primitives import serialization
+    private = Ed25519PrivateKey.from_private_bytes(_decode_key(text, "private key"))
+    return encode_key(private.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
 
 
 def placeholder_signature(writer: str) -> dict:
@@ -174,6 +182,15 @@ class Authority:
 
     def sign(self, name: str, digest: str) -> dict | None:
         return None if self.signer is None else self.signer.sign(name, digest)
+
+    def verify_unparsed(self, name: str, document: bytes) -> tuple[str, dict]:
+        """The sha256 and signature a stored JSON document records, read from its last bytes and checked
+        before its body is parsed (Unauthenticated otherwise); the parsed document must record the same."""
+        tail = signed_tail(document)
+        if tail is None:
+            raise Unauthenticated(f"object {name}: not signed")
+        self.verify(name, *tail)
+        return tail
 
     def verify(self, name: str, digest: str, signature) -> None:
         """Raise Unauthenticated unless `signature` is a valid signature of (name, digest) by a writer

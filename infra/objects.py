@@ -104,6 +104,24 @@ def json_document(body: dict, digest: str | None = None, signature: dict | None 
     return json.dumps(envelope, sort_keys=True, indent=1).encode()
 
 
+# The end of a signed document as `json_document` writes it (keys sorted, so the body comes first):
+# its recorded sha256 and signature, read from the last bytes alone.
+_SIGNED_TAIL = re.compile(rb'"sha256": "([0-9a-f]{64})",\s*"signature": \{\s*"by": "([^"\\]{1,200})",'
+                          rb'\s*"ed25519": "([A-Za-z0-9+/=]{1,200})"\s*\}\s*\}\s*$')
+_SIGNED_TAIL_MAX_BYTES = 1024
+
+
+def signed_tail(raw: bytes) -> tuple[str, dict] | None:
+    """(recorded sha256, signature) from a signed document's last bytes, without parsing the rest; None when
+    its end is not that of a signed document. A signature can then be checked before a large body is
+    parsed: the envelope parsed afterwards must still record the same digest and signature."""
+    found = _SIGNED_TAIL.search(raw[-_SIGNED_TAIL_MAX_BYTES:])
+    if found is None:
+        return None
+    digest, writer, signature = (part.decode() for part in found.groups())
+    return digest, {"by": writer, "ed25519": signature}
+
+
 def verified_envelope(raw: bytes) -> dict | None:
     """The envelope of a JSON document whose body is an object matching its recorded sha256; else None.
     Nesting is bounded before parsing: json.loads recurses, and a document of brackets would crash it."""

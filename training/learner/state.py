@@ -171,7 +171,7 @@ class Checkpointer:
 
     def _committed(self, round_index: int, nbytes: int) -> None:
         self.ledger.checkpoint_bytes += nbytes
-        self.ledger.objects_retired += self.retention.after_checkpoint(round_index)
+        self.ledger.objects_retired += self.retention.after_checkpoint(round_index, written=nbytes > 0)
 
 
 class Lives:

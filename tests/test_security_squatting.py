@@ -1,0 +1,58 @@
+"""Squatting in a signed run: a store writer (with no key, or with another island's) plants objects at
+the names a learner or the lifecycle will write next, or large documents where they read. Each record
+counts only what verifies, a writer still finds a name to write, and the work a planted object costs
+is bounded."""
+
+import json
+import tracemalloc
+
+import pytest
+import torch
+
+from infra import layout
+from infra.authority import CONTROL
+from infra.objects import canonical_json, sha256
+from infra.store import ObjectStore, Unauthenticated
+from training.learner.ledger import Ledger
+from training.learner.retention import Retention
+from training.learner.state import Checkpointer, choose_resume_point
+from tests.test_security_authority import signed_run  # noqa: F401 - the fixture
+
+
+def unsigned(spec) -> ObjectStore:
+    """A store writer without keys: the run's prefix as anyone who can write the bucket sees it."""
+    return ObjectStore(spec.store.url).child("runs/r")
+
+
+def test_junk_at_the_next_checkpoint_keys_retires_no_real_checkpoint(signed_run):
+    spec, store_of = signed_run
+    store = store_of("a")  # learner 0's island
+    checkpointer = Checkpointer(store, None, Ledger(), background=False,
+                                retention=Retention(lambda learner: store, 0, 1, keep=2))
+    for t in (0, 1):
+        checkpointer.write(t, {"weights": torch.full((2,), float(t))}, {"round": t})
+    for t in (2, 3):  # the squatter takes the keys of the next two checkpoints
+        unsigned(spec).commit_tensors(layout.checkpoint(0, t), {"weights": torch.zeros(2)}, {"round": t})
+        checkpointer.write(t, {"weights": torch.ones(2)}, {"round": t})
+    assert all(store.is_committed(layout.checkpoint(0, t)) for t in (0, 1))
+    point = choose_resume_point(lambda learner: store, 0, 1, spec.sync.rounds + 10)
+    assert point is not None and point.round == 1
+
+
+def test_a_planted_large_commit_is_refused_before_its_body_is_parsed(signed_run):
+    spec, store_of = signed_run
+    key = f"{layout.checkpoint(0, 0)}.json"
+    body = {"traffic": [{"round": i, "bytes": i} for i in range(300_000)]}  # ~15 MB, parsed: 6x that
+    digest = sha256(canonical_json(body))
+    forged = {"body": body, "sha256": digest, "signature": {"by": "a", "ed25519": "A" * 86 + "=="}}
+    planted = json.dumps(forged, sort_keys=True, indent=1).encode()
+    unsigned(spec).put_bytes(key, planted)
+    reader = store_of("b")
+    tracemalloc.start()
+    with pytest.raises(Unauthenticated):
+        reader.get_json(key)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert len(planted) > 14_000_000
+    assert peak < 2 * len(planted)  # the read, never a parse (parsing it peaks past 6x its size)
+    assert reader.stats["refused"] == {"checkpoint": 1}
