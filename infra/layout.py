@@ -113,9 +113,15 @@ def rendezvous_lives(keys: list[str]) -> list[int]:
 
 
 def learner_summary(learner: int, slot: int = 0) -> str:
-    """What a learner writes once it has trained every round. Its later slots are where it writes when
-    something it did not write took an earlier one (a key squatted in its store)."""
+    """What a learner writes once it has trained every round. A later slot, past every one its store lists,
+    is where it writes when something it did not write took slot 0 (a key squatted in its store)."""
     return f"{learner_prefix(learner)}/summary.json" if slot == 0 else f"{learner_prefix(learner)}/summary-{slot}.json"
+
+
+def summary_slots(keys: list[str]) -> list[int]:
+    """The later slots (1 and up) of the summaries among a learner's keys (as `store.list` returns them), in order."""
+    return sorted(slot for key in keys if (found := re.search(r"/summary-(\d{1,9})\.json$", key))
+                  and (slot := int(found.group(1))) > 0)
 
 
 def baseline_snapshot(step: int) -> str:

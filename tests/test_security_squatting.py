@@ -4,6 +4,7 @@ counts only what verifies, a writer still finds a name to write, and the work a 
 is bounded."""
 
 import json
+import threading
 import tracemalloc
 
 import pytest
@@ -13,10 +14,11 @@ from infra import layout
 from infra.authority import CONTROL
 from infra.objects import canonical_json, sha256
 from infra.store import ObjectStore, Unauthenticated
-from training.learner.ledger import Ledger
+from infra.stores import RunStores
+from training.learner.ledger import Ledger, finished, read_summaries
 from training.learner.retention import Retention
-from training.learner.state import Checkpointer, choose_resume_point
-from tests.test_security_authority import signed_run  # noqa: F401 - the fixture
+from training.learner.state import Checkpointer, Lives, choose_resume_point
+from tests.test_security_authority import learner, signed_run  # noqa: F401 - the fixture
 
 
 def unsigned(spec) -> ObjectStore:
@@ -56,3 +58,31 @@ def test_a_planted_large_commit_is_refused_before_its_body_is_parsed(signed_run)
     assert len(planted) > 14_000_000
     assert peak < 2 * len(planted)  # the read, never a parse (parsing it peaks past 6x its size)
     assert reader.stats["refused"] == {"checkpoint": 1}
+
+
+def test_junk_lives_keep_no_learner_from_starting(signed_run):
+    spec, store_of = signed_run
+    for life in range(20):  # without a key, and with island a's key for island b's learner
+        writer = unsigned(spec) if life % 2 else store_of("a")
+        writer.put_json(layout.learner_life(1, life), {"learner": 1, "life": life, "start_round": 0,
+                                                        "skipped_rounds": []})
+    one = learner(spec, store_of, 1)
+    one.resume()
+    assert one.start_round == 0 and one.life == 20
+    assert [life["life"] for life in Lives(RunStores(spec, store_of("a")).learner, spec.sync.rounds).of(1)] == [20]
+
+
+def test_junk_summaries_keep_no_learner_from_finishing(signed_run):
+    spec, store_of = signed_run
+    for slot in range(6):
+        writer = unsigned(spec) if slot % 2 else store_of("a")
+        writer.put_json(layout.learner_summary(1, slot), {"learner": 1, "island": "b"})
+    learners = [learner(spec, store_of, i) for i in range(2)]
+    threads = [threading.Thread(target=lambda one=one: (one.resume(), one.run())) for one in learners]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert finished(RunStores(spec, store_of(CONTROL)), spec, 1)
+    assert [s.learner for s in read_summaries(spec, store_of(CONTROL))] == [0, 1]
+    assert store_of(CONTROL).exists(layout.learner_summary(1, 6))  # past every squatted slot

@@ -149,6 +149,8 @@ class LearnerSummary(Ledger):
     store_faults_injected: dict = field(default_factory=dict)
     # The checkpoint consolidation reads as this learner's final state: its key and the sha256 of its tensors.
     final_checkpoint: dict | None = None
+    # Per peer: its messages mixed as they came, clipped (with the factors) and refused (`training.exchange.influence`).
+    influence: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, ledger: Ledger, tokens_per_round: int, **rest) -> "LearnerSummary":
@@ -158,41 +160,42 @@ class LearnerSummary(Ledger):
         return asdict(self)
 
 
-SUMMARY_SLOTS = 4
-
-
 def read_summary(store, spec, learner: int) -> LearnerSummary:
     """A learner's summary from its store: the first of its slots that verifies and is the summary of
-    that learner, with the fields a summary has (StoreError otherwise: a forged one finishes no one)."""
+    that learner, with the fields a summary has (ObjectMissing otherwise: a forged one finishes no one).
+    The later slots are listed only when something else sits in slot 0; each is read once."""
+    def slots():
+        yield 0
+        yield from layout.summary_slots(store.list(layout.learner_prefix(learner)))
+
     refusals = []
-    for slot in range(SUMMARY_SLOTS):
-        key = layout.learner_summary(learner, slot)
+    for slot in slots():
         try:
-            return _summary_at(store, spec, learner, key)
+            return _summary_at(store, spec, learner, layout.learner_summary(learner, slot))
         except ObjectMissing:
-            break  # a learner writes its slots in order: none after a free one
+            if slot == 0:
+                break  # slot 0 free: the learner has not finished
         except IntegrityError as err:
             refusals.append(str(err))
     raise ObjectMissing(f"learner {learner} has no summary in {store.url}" +
-                        (f" ({len(refusals)} refused: {'; '.join(refusals)})" if refusals else ""))
+                        (f" ({len(refusals)} refused: {'; '.join(refusals[:3])})" if refusals else ""))
 
 
 def write_summary(store, spec, summary: LearnerSummary) -> None:
-    """Write a learner's summary once: in its first slot that nothing else has taken."""
-    for slot in range(SUMMARY_SLOTS):
-        key = layout.learner_summary(summary.learner, slot)
+    """Write a learner's summary once (an earlier life's stands): in slot 0, or, where something it did
+    not write took that, in the slot past every one its store lists (however many are squatted)."""
+    try:
+        read_summary(store, spec, summary.learner)
+        return
+    except ObjectMissing:
+        pass
+    slot = 0
+    while True:
         try:
-            _summary_at(store, spec, summary.learner, key)
-            return  # an earlier life finished and wrote it
-        except ObjectMissing:
-            try:
-                store.put_json(key, summary.to_json())
-                return
-            except ObjectExists:
-                continue
-        except IntegrityError:
-            continue
-    raise StoreError(f"learner {summary.learner}: every summary slot in {store.url} is taken by objects it did not write")
+            store.put_json(layout.learner_summary(summary.learner, slot), summary.to_json())
+            return
+        except ObjectExists:
+            slot = max([slot, *layout.summary_slots(store.list(layout.learner_prefix(summary.learner)))]) + 1
 
 
 def _summary_at(store, spec, learner: int, key: str) -> LearnerSummary:

@@ -63,6 +63,9 @@ class LearnerState:
         for name, value in tensors.items():
             if name.startswith("outer.") or name.startswith("fragment-"):
                 continue  # the outer optimizers' own check, below
+            if name.startswith("influence."):
+                self._check_influence(name, value)
+                continue
             want = allowed.get(name)
             if want is None:
                 raise CheckpointRejected(f"checkpoint holds an unknown tensor {short(name)}")
@@ -88,6 +91,16 @@ class LearnerState:
             raise CheckpointRejected("checkpoint's exchange in flight names no round and fragment of this run")
         self.exchanger.check_state(tensors, meta.get("outer", {}))
 
+    def _check_influence(self, name: str, value: torch.Tensor) -> None:
+        """A pair's agreed anchor (`training.exchange.influence`): of a fragment of this run, its size, finite."""
+        parts = name.split(".")
+        fragments = self.exchanger.fragments
+        if len(parts) != 3 or not all(p.isdigit() for p in parts[1:]) or int(parts[2]) >= len(fragments):
+            raise CheckpointRejected(f"checkpoint holds an unknown tensor {short(name)}")
+        want = fragments[int(parts[2])].index.shape
+        if value.dtype != torch.float32 or value.shape != want or not bool(torch.isfinite(value).all()):
+            raise CheckpointRejected(f"checkpoint tensor {name!r} is no finite float32 anchor of its fragment")
+
     def state_dict(self, pending: Exchange | None,
                    weights: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], dict] | None:
         """The state as tensors that training never changes afterwards (copies, or the exchanger's
@@ -100,7 +113,8 @@ class LearnerState:
         if self.parallel.rank != 0:
             return None
         exchanger_tensors, outer_scalars = self.exchanger.state_dict()
-        tensors = {"weights": weights, **exchanger_tensors}
+        influence_tensors, influence = self.exchanger.applied_influence.state_dict()
+        tensors = {"weights": weights, **exchanger_tensors, **influence_tensors}
         # With one fragment and nothing in flight, the anchor is the weights the round ended on.
         if len(self.exchanger.fragments) > 1 or pending is not None:
             tensors["anchors"] = self.exchanger.anchors()
@@ -109,7 +123,7 @@ class LearnerState:
         self.ledger.links, self.ledger.stores = self.transport.report(), self.transport.by_store
         in_flight = None if pending is None else {"round": pending.round, "fragment": pending.fragment}
         return tensors, {"inner_step": int(first.get("step", 0)), "outer": outer_scalars,
-                         "traffic": self.ledger.state_dict(), "pending": in_flight}
+                         "traffic": self.ledger.state_dict(), "pending": in_flight, "influence": influence}
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Weights, inner moments and the exchanger's state; the ledger is the learner's own (see
@@ -117,6 +131,7 @@ class LearnerState:
         self.parallel.load(tensors["weights"], list(self.model.parameters()))
         self.exchanger.load_anchors(tensors.get("anchors", tensors["weights"]))
         self.exchanger.load_state_dict(tensors, meta.get("outer", {}))
+        self.exchanger.load_influence(tensors, meta.get("influence"))
         for i, p in enumerate(self.model.parameters()):
             if f"inner.{i}.exp_avg" in tensors:
                 self.inner.state[p] = {"step": torch.tensor(float(meta["inner_step"])),
@@ -204,22 +219,26 @@ class Lives:
         """Record that a life has begun, with the rounds whose messages will never come: a learner
         that rejoins from a peer's checkpoint skips the rounds between its own newest checkpoint
         and that one, and a partner waiting for one of them stops at once. Returns the life's number:
-        `life`, or the next free one if something that is not a life of ours sits under its key."""
+        `life`, or the first one past it whose key the store does not list, if something that is not a
+        life of ours sits under its key (however many keys are squatted, one listing finds a free one)."""
         skipped: list[int] = []
+        store = self.store_of(learner)
         if resumed_from is not None and resumed_from["learner"] != learner:
-            skipped = list(range(max(checkpoint_rounds(self.store_of(learner), learner, self.rounds),
-                                     default=-1) + 1, start_round))
-        for number in range(life, life + MAX_SQUATTED_LIVES):
+            skipped = list(range(max(checkpoint_rounds(store, learner, self.rounds), default=-1) + 1, start_round))
+        number = life
+        while True:
             try:
-                self.store_of(learner).put_json(layout.learner_life(learner, number), {
+                store.put_json(layout.learner_life(learner, number), {
                     "learner": learner, "life": number, "start_round": start_round, "resumed_from": resumed_from,
                     "skipped_rounds": skipped, "host": socket.gethostname()[:255], "pid": os.getpid(),
                     "started_at": datetime.now(timezone.utc).isoformat()})
                 break
             except ObjectExists:
                 emit("life_key_taken", learner=learner, life=number)
-        else:
-            raise StoreError(f"learner {learner}: lives {life} to {number} are all taken by objects it did not write")
+                listed = set(store.list(layout.liveness_prefix(learner)))
+                number += 1
+                while layout.learner_life(learner, number) in listed:
+                    number += 1
         if skipped:
             emit("skipping_rounds", learner=learner, first=skipped[0], last=skipped[-1])
         return number
@@ -244,7 +263,6 @@ class Lives:
 
 
 RECORD_MAX_BYTES = 1 << 20  # a life lists the rounds it skips: a few bytes per round of the run
-MAX_SQUATTED_LIVES = 8
 
 
 def _checked_record(record: dict, learner: int, key: str, rounds: int) -> dict:
