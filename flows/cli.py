@@ -66,7 +66,7 @@ def prepare(args: argparse.Namespace) -> int:
 
 def serve(args: argparse.Namespace) -> int:
     """A local Prefect server, a process work pool and worker per island, and the deployments."""
-    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides, host_keys="sign")
     if spec is None:
         return 2
     from flows.serve import serve as serve_spec
@@ -85,11 +85,12 @@ def deploy(args: argparse.Namespace) -> int:
         print("error: deploy needs the Prefect server to deploy to: set PREFECT_API_URL (e.g. "
               "https://<server>/api, or http://127.0.0.1:4200/api for `archipelago serve`)", file=sys.stderr)
         return 2
-    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides, host_keys="read")
     if spec is None:
         return 2
-    from flows.cluster_pools import store_key_variables, store_secret
+    from flows.cluster_pools import secret_key_variables, store_secret
     from flows.serve import PoolTypeConflict, pools_of, register
+    from infra.local_keys import keys_root
 
     try:
         deployments = register(spec)
@@ -100,25 +101,29 @@ def deploy(args: argparse.Namespace) -> int:
         print(f"deployment {name}: {deployment_id}")
     print("start a worker per pool, where the project is installed: "
           + "; ".join(f"prefect worker start --pool {pool} --type {kind}" for pool, kind in pools_of(spec).items()))
+    if (keys_root() / spec.name).is_dir():
+        print(f"signing keys: {keys_root() / spec.name}/<writer>.key; each worker holds only its own writer's, in "
+              "the spec's private_key_env (the control plane's: control.key)")
     for island in spec.islands:
         if island.pool.type == "kubernetes":
-            keys = " ".join(f"--from-literal={name}=..." for name in store_key_variables(spec, island.name))
-            print(f"island {island.name}'s pods read their store keys from Secret {store_secret(spec, island.name)}: "
-                  f"kubectl -n {island.pool.namespace} create secret generic {store_secret(spec, island.name)} {keys}")
+            keys = " ".join(f"--from-literal={name}=..." for name in secret_key_variables(spec, island.name))
+            print(f"island {island.name}'s pods read their store and signing keys from Secret "
+                  f"{store_secret(spec, island.name)}: kubectl -n {island.pool.namespace} create secret generic {store_secret(spec, island.name)} {keys}")
     return 0
 
 
 def export(args: argparse.Namespace) -> int:
     """A finished run's consolidated model in the transformers format. The spec is the user's file, not
-    the store's copy: with signing keys, the model read is checked against them."""
-    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
+    the store's copy (with this host's keys when it has none, as `run` signed it): the model read is
+    checked against its public keys; no private key is needed to read."""
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides, host_keys="read")
     if spec is None:
         return 2
     from training.model.export import SEPARATOR, NotExportable, export_model
     from training.model.registry import load_model
 
     try:
-        model, _ = load_model(spec, open_run(spec, args.run_id), layout.CONSOLIDATED)
+        model, _ = load_model(spec, open_run(spec, args.run_id, writer=None), layout.CONSOLIDATED)
         out = export_model(spec, model, Path(args.out), args.dtype)
     except (StoreError, NotExportable) as err:
         print(f"error: cannot export {args.run_id}: {err}", file=sys.stderr)
@@ -196,11 +201,11 @@ def keys(args: argparse.Namespace) -> int:
     """A signing key pair per writer (the control plane and each named island, infra/authority.py): each
     private key into a file of its own that only its owner can read, never to the terminal; the spec's
     `signing` sections with the public keys to stdout."""
-    from infra.authority import CONTROL, generate_keypair
+    from infra.authority import CONTROL
+    from infra.local_keys import new_private_key, owner_only_folder, private_key_env
 
     writers = [CONTROL, *args.islands]
-    folder = Path(args.out)
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = owner_only_folder(Path(args.out))
     taken = [w for w in writers if (folder / f"{w}.key").exists()]
     if taken:
         print(f"error: {', '.join(str(folder / f'{w}.key') for w in taken)} already exist; keys are never "
@@ -208,12 +213,7 @@ def keys(args: argparse.Namespace) -> int:
         return 2
     sections = {}
     for writer in writers:
-        private, public = generate_keypair()
-        path = folder / f"{writer}.key"
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
-            file.write(private + "\n")
-        sections[writer] = {"public_key": public,
-                            "private_key_env": f"ARCHIPELAGO_SIGNING_KEY_{writer.upper().replace('-', '_')}"}
+        sections[writer] = {"public_key": new_private_key(folder, writer), "private_key_env": private_key_env(writer)}
     print("# In the run spec: the control plane's keys at the top level, each island's under its entry.")
     print(yaml.safe_dump({"signing": sections[CONTROL],
                           "islands": [{"name": island, "signing": sections[island]} for island in args.islands]},
@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
                                                 "copy is taken as it is, with --store)")
     resume_parser.add_argument("--store", default=".archipelago/store", help="the run's store root")
     resume_parser.add_argument("--endpoint-url", default=None, help="S3 endpoint, if not $AWS_ENDPOINT_URL")
+    resume_parser.add_argument("--control-public-key", default=None,
+                               help="with --store: the control plane's public key (the spec's signing.public_key); "
+                                    "the store's copy of the spec is taken only when it verifies against it")
     resume_parser.add_argument("--report", help="write the report JSON here")
     resume_parser.set_defaults(handler=resume)
     prepare_parser = commands.add_parser(

@@ -15,7 +15,7 @@ from typing import Literal
 
 from infra import layout
 from infra.lease import LeaseHeld
-from infra.spec import RunSpec, SpecError, check_windows_ahead, load_spec, spec_sha256
+from infra.spec import RunSpec, SpecError, check_windows_ahead, load_raw_spec, parse_spec, spec_sha256
 from infra.store import StoreError, run_store
 from infra.spec.store import StoreSpec
 from infra.stores import check_stores_reachable, open_run
@@ -63,6 +63,9 @@ def dry_run(spec: RunSpec) -> int:
 
 def _launch(spec: RunSpec, run_id: str, report_path: str | None) -> int:
     """Check the run (`preflight`) before any work, run the lifecycle, print the result table."""
+    if spec.signing is None:
+        print(f"warning: run {run_id} is unauthenticated (unauthenticated: true): nothing it reads from its stores "
+              "is checked, so anyone who can write them can change what it trains and reports", file=sys.stderr)
     try:
         preflight(spec)
     except (SpecError, StoreError) as err:
@@ -126,7 +129,10 @@ def _after_interrupt(spec: RunSpec, run_id: str) -> str:
 def resume_command(spec: RunSpec, run_id: str) -> str:
     """The command line that continues the run from its store."""
     endpoint = f" --endpoint-url {spec.store.endpoint_url}" if spec.store.endpoint_url else ""
-    return f"archipelago resume {run_id} --store {spec.store.url}{endpoint}"
+    if spec.signing is None:
+        return f"archipelago resume {run_id} --config <the run's spec file>"
+    return (f"archipelago resume {run_id} --store {spec.store.url}{endpoint} "
+            f"--control-public-key {spec.signing.public_key}")
 
 
 STAGE_VERBS = {"Completed": "ran", "Cached": "reused from an earlier attempt", "Failed": "failed"}
@@ -145,16 +151,23 @@ def _print_stages(flow_run_id) -> None:
 
 
 def load_spec_or_say_why(path: str, purpose: Literal["train", "plan"] = "train",
-                         overrides: Sequence[str] = ()) -> RunSpec | None:
+                         overrides: Sequence[str] = (), host_keys: Literal["sign", "read"] | None = None
+                         ) -> RunSpec | None:
+    """The spec of a YAML file, or None once the error is printed. `host_keys`: a spec without keys gets
+    this host's (infra/local_keys.py), as `run`, `resume`, `serve` and `deploy` sign by default: "sign" with
+    the private keys in this process's environment, "read" with the public keys alone."""
+    from infra.local_keys import with_host_keys
+
     try:
-        return load_spec(path, purpose, overrides)
-    except SpecError as err:
+        raw = load_raw_spec(path, overrides)
+        return parse_spec(with_host_keys(raw, sign=host_keys == "sign")[0] if host_keys else raw, purpose)
+    except (SpecError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = load_spec_or_say_why(args.config, overrides=args.overrides)
+    spec = load_spec_or_say_why(args.config, overrides=args.overrides, host_keys="sign")
     if spec is None:
         return 2
     try:
@@ -174,21 +187,43 @@ def run(args: argparse.Namespace) -> int:
 
 def resume(args: argparse.Namespace) -> int:
     """Continue a run from its store: completed stages come back from their persisted results,
-    learners restart from their newest checkpoints. With `--config`, the spec is the user's file and
-    the store's copy must be that spec (signed by the control plane when it has keys); without, the
-    store's copy is taken as it is."""
+    learners restart from their newest checkpoints. With `--config`, the spec is the user's file (signed
+    with this host's keys when it has none, as `run` does) and the store's copy must be that spec;
+    without, the store's copy is taken only when it is signed by the control-plane key the operator pins
+    (`--control-public-key`): a store writer could otherwise swap in a spec of their own, without keys."""
+    from infra.local_keys import with_host_keys, with_pinned_host_keys
+
     try:
         if args.config:
-            spec = load_spec(args.config, overrides=args.overrides)
+            spec = parse_spec(with_host_keys(load_raw_spec(args.config, args.overrides))[0])
             stored = open_run(spec, args.run_id, writer=None).get_json(layout.SPEC)
             if spec_sha256(stored) != spec_sha256(spec):
                 print(f"error: cannot resume {args.run_id}: its store holds another spec than {args.config}",
                       file=sys.stderr)
                 return 2
+        elif not args.control_public_key:
+            print(f"error: cannot resume {args.run_id} from --store alone: its spec.json is trusted only when it "
+                  "verifies against the control plane's public key; pass --control-public-key KEY (the spec's "
+                  "signing.public_key, as the run's failure message prints it), or the spec file with --config",
+                  file=sys.stderr)
+            return 2
         else:
-            store = run_store(StoreSpec(url=args.store, endpoint_url=args.endpoint_url), args.run_id)
-            spec = RunSpec.model_validate(store.get_json(layout.SPEC))
-    except (StoreError, ValueError) as err:  # ValueError: pydantic's and SpecError, for bad input
+            spec = stored_spec(args.store, args.endpoint_url, args.run_id, args.control_public_key)
+            with_pinned_host_keys(spec)
+    except (StoreError, ValueError, OSError) as err:  # ValueError: pydantic's and SpecError, for bad input
         print(f"error: cannot resume {args.run_id}: {err}", file=sys.stderr)
         return 2
     return _launch(spec, args.run_id, args.report)
+
+
+def stored_spec(store_url: str, endpoint_url: str | None, run_id: str, control_public_key: str) -> RunSpec:
+    """The spec a run's store holds, if the control plane whose public key is `control_public_key` signed it
+    (else Unauthenticated, a StoreError) and it names that key as its own."""
+    from infra.authority import CONTROL, Authority, public_key_of
+
+    pinned = Authority({CONTROL: public_key_of(control_public_key)}, island_of_learner=())
+    spec = RunSpec.model_validate(run_store(StoreSpec(url=store_url, endpoint_url=endpoint_url), run_id,
+                                            pinned).get_json(layout.SPEC))
+    if spec.signing is None or spec.signing.public_key != control_public_key:
+        raise SpecError("its stored spec does not name --control-public-key as the control plane's key")
+    return spec

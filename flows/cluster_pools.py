@@ -4,7 +4,7 @@ It starts from prefect-kubernetes' own template and fixes, from `islands[].pool`
 decides what a segment's pod runs and as whom: the image (the project installed in it; code never
 comes from a path of the deploying machine), the namespace, service account, node selector, CPU,
 memory and GPUs, a non-root user, and the environment, which holds only references to the island's
-Kubernetes Secret for its store keys (the worker adds Prefect's own settings). No `command` or
+Kubernetes Secret for its store keys and its signing key (the worker adds Prefect's own settings). No `command` or
 `args` is set: the worker runs its own engine command. A run's job variables may set only how its Job is named,
 retried, kept and watched (`RUN_VARIABLES`); the server refuses any other (422).
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+from infra.authority import signing_section
 from infra.s3 import CREDENTIAL_VARIABLES
 from infra.spec import RunSpec
 from infra.spec.island import IslandSpec
@@ -36,11 +37,15 @@ def store_secret(spec: RunSpec, island: str) -> str:
     return _island(spec, island).pool.secret or f"archipelago-{island}"
 
 
-def store_key_variables(spec: RunSpec, island: str) -> list[str]:
-    """The environment variables a segment of `island` opens its stores with, each a key of its Secret:
-    the run's store's, its own store's, and other islands' read-only keys (infra.stores)."""
+def secret_key_variables(spec: RunSpec, island: str) -> list[str]:
+    """The environment variables a segment of `island` reads from its Secret, each a key of it: the keys it
+    opens its stores with (the run's store's, its own store's, and other islands' read-only keys,
+    infra.stores) and, in a signed run, the island's own signing key, which its learners sign with."""
     prefixes = island_credential_prefixes(spec, island)
-    return sorted(f"{prefix}_{name}" if prefix else name for prefix in prefixes for name in _KEY_VARIABLES)
+    variables = {f"{prefix}_{name}" if prefix else name for prefix in prefixes for name in _KEY_VARIABLES}
+    if (signing := signing_section(spec, island)) is not None:
+        variables.add(signing.private_key_env)
+    return sorted(variables)
 
 
 def pod_gpus(island: IslandSpec) -> int:
@@ -57,7 +62,7 @@ def kubernetes_job_template(spec: RunSpec, island: str) -> dict:
     template = copy.deepcopy(KubernetesWorker.get_default_base_job_template())
     configuration, variables = template["job_configuration"], template["variables"]
     env = [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": name}}}
-           for name in store_key_variables(spec, island)]
+           for name in secret_key_variables(spec, island)]
     for name in ("command", "labels", "annotations", "cluster_config"):
         del configuration[name]
     configuration.update(env=env, namespace=pool.namespace)

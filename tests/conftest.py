@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from infra import layout
+from infra.local_keys import KEYS_DIR_ENV
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore
@@ -83,6 +84,8 @@ def data_root(tmp_path_factory):
     root.mkdir()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(DATA_ROOT_ENV, str(root))
+        # The keys `archipelago run`, `serve` and `deploy` sign a spec without its own with: this session's.
+        patch.setenv(KEYS_DIR_ENV, str(tmp_path_factory.getbasetemp() / "keys"))
         yield root
 
 

@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from flows.cli import main as archipelago
+from flows.cli_run import load_spec_or_say_why
 from infra.launch import (GUARDED, LEARNER_MODULE, NODE_LAUNCHER_MODULE, PARENT_PID, SLURM_STEP_DAEMON, LearnerProcess,
                           srun_wrapper)
-from infra.spec import SpecError, load_spec, parse_spec, spec_sha256
+from infra.spec import SpecError, parse_spec, spec_sha256
 from training.stages import train_learner
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,14 +46,17 @@ def test_the_kubernetes_pool_renders_a_segment_job_with_the_specs_gpus_secret_re
     from prefect.exceptions import PrefectHTTPStatusError
     from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
 
-    from flows.cluster_pools import RUN_VARIABLES, store_key_variables
+    from flows.cluster_pools import RUN_VARIABLES, secret_key_variables
 
     config = shipped_k8s_spec(tmp_path, "k8s")
-    spec = load_spec(config)
+    spec = load_spec_or_say_why(str(config), host_keys="read")  # signed with this host's keys, as deploy does
     east, west = spec.islands
-    keys = store_key_variables(spec, east.name)
+    keys = secret_key_variables(spec, east.name)
+    # East's signing key is a key of its Secret too, so its pods sign; west's and the control plane's are not.
     assert keys == sorted(["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "EAST_AWS_ACCESS_KEY_ID",
-                           "EAST_AWS_SECRET_ACCESS_KEY", "WEST_READ_AWS_ACCESS_KEY_ID", "WEST_READ_AWS_SECRET_ACCESS_KEY"])
+                           "EAST_AWS_SECRET_ACCESS_KEY", "WEST_READ_AWS_ACCESS_KEY_ID", "WEST_READ_AWS_SECRET_ACCESS_KEY",
+                           east.signing.private_key_env])
+    assert east.signing.private_key_env == "ARCHIPELAGO_SIGNING_KEY_K8S_EAST"
     # The keys' values are in the environment of the process that deploys and renders: none may reach the Job.
     values = {name: f"value-of-{name}-do-not-leak" for name in keys}
     for name, value in values.items():

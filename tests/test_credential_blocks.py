@@ -22,6 +22,7 @@ def spec_with(store: dict):
                     {"name": "west", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 2, "store": store}],
         "data": {"corpora": [{"name": "c", "source": "files", "paths": ["x"]}]},
         "sync": {"mode": "butterfly", "rounds": 2},
+        "unauthenticated": True,  # what is tested here is which store keys a process holds
     })
 
 

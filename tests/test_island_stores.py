@@ -62,6 +62,7 @@ def prepare_two_sites(west_server, tmp_path, sync: dict):
         "training": {"warmup_steps": 1},
         "sync": {"mode": "butterfly", "rounds": 4, "partner_timeout_s": 60, **sync},
         "store": {"url": f"s3://archipelago/sites/{tmp_path.name}"},
+        "unauthenticated": True,  # what is tested here is where objects go and which keys reach them
     })
     run = run_store(spec.store, "r")
     run.put_json(layout.SPEC, spec.model_dump(mode="json"))

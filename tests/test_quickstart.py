@@ -71,7 +71,11 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 for site, server in (("east", east), ("west", west)):
                     Secret(value={"aws_access_key_id": server.access_key,
                                    "aws_secret_access_key": server.secret_key}).save(f"{site}-store-keys")
-            # 4. The spec: each island's store on its own site, keys from its block.
+            # 4. The spec: each island's store on its own site, keys from its block; the signing sections
+            # `archipelago keys` prints (a key pair per writer, the private keys into files).
+            keys = yaml.safe_load(command("flows.cli", "keys", "east", "west", "--out", str(tmp_path / "keys"),
+                                          env=client_env, cwd=tmp_path))
+            signing = {island["name"]: island["signing"] for island in keys["islands"]}
             config = tmp_path / "two-sites.yaml"
             config.write_text(yaml.safe_dump({
                 "name": "quickstart",
@@ -79,7 +83,8 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                              "store": {"url": f"s3://{site}-runs/islands", "endpoint_url": server.endpoint_url,
                                        "credentials_env": site.upper(), "credentials_block": f"{site}-store-keys",
                                        "read_credentials_env": f"{site.upper()}_READ",
-                                       "read_credentials_block": f"{site}-store-keys"}}
+                                       "read_credentials_block": f"{site}-store-keys"},
+                             "signing": signing[site]}
                             for site, server in (("east", east), ("west", west))],
                 "model": {"layers": 1, "width": 32, "heads": 2},
                 "data": {"corpora": [{"name": "text", "source": "files", "paths": [str(corpus / "doc*.txt")],
@@ -89,6 +94,7 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
                 "evaluation": {"baseline_island": "west"},
                 "sync": {"mode": "butterfly", "rounds": 3, "partner_timeout_s": 60},
                 "store": {"url": "s3://east-runs/archipelago", "endpoint_url": east.endpoint_url},
+                "signing": keys["signing"],
             }))
             spec = load_spec(config)
             # 5. The pools, with the job template that lets no run choose its command, environment or folder,
@@ -97,6 +103,10 @@ def test_the_two_site_quick_start_runs_a_deployment_to_its_report(tmp_path, monk
             # 6. A worker per pool, in a folder of its own. Each needs the run store's key; an island's own keys come from its block.
             # The control plane's needs the data root too (this session's, already in the environment).
             worker_env = worker_environment(client_env, east)
+            # Each writer's private key, from the file `archipelago keys` made. At real sites each worker holds
+            # only its own writer's; here one machine plays every site, and its learners inherit only their own.
+            for writer, section in [("control", keys["signing"]), *signing.items()]:
+                worker_env[section["private_key_env"]] = (tmp_path / "keys" / f"{writer}.key").read_text().strip()
             for pool in POOLS:
                 (tmp_path / f"site-{pool}").mkdir()
             with _started([["env", "-C", str(tmp_path / f"site-{pool}"), sys.executable, "-m", "prefect", "worker",

@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -6,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.local_keys import KEYS_DIR_ENV
 from infra.spec import SpecError, load_spec, parse_spec
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
@@ -55,9 +58,47 @@ NOT_RUN_SPECS = {"brief-candidates.yaml"}
 
 @pytest.mark.parametrize("config", sorted(p.name for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")
                                           if p.name not in NOT_RUN_SPECS))
-def test_every_shipped_run_config_is_a_valid_spec(config):
-    spec = load_spec(Path(__file__).parents[1] / "configs" / config)
+def test_every_shipped_run_config_is_a_valid_spec_and_runs_signed(config, tmp_path, monkeypatch):
+    """As `archipelago run`, `serve` and `deploy` load them: a config without keys gets this host's (made
+    into an owner-only folder outside the data root), so every shipped config runs signed."""
+    from flows.cli_run import load_spec_or_say_why
+
+    monkeypatch.setenv(KEYS_DIR_ENV, str(tmp_path / "keys"))
+    spec = load_spec_or_say_why(str(Path(__file__).parents[1] / "configs" / config), host_keys="read")
     assert spec.sync.rounds >= 1 and spec.learners
+    assert spec.signing is not None and not spec.unauthenticated
+    folder = tmp_path / "keys" / spec.name
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert sorted(path.name for path in folder.iterdir()) == sorted(f"{w}.key" for w in ["control", *(
+        i.name for i in spec.islands)])
+    assert all(stat.S_IMODE(path.stat().st_mode) == 0o600 for path in folder.iterdir())
+    # The same keys the next time (a resume's spec is the run's), and "read" puts no private key in the environment.
+    assert load_spec_or_say_why(str(Path(__file__).parents[1] / "configs" / config), host_keys="read") == spec
+    assert spec.signing.private_key_env not in os.environ
+
+
+def test_a_spec_of_several_stores_without_keys_is_refused_unless_it_says_unauthenticated():
+    raw = {"islands": [{"name": "east", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 1},
+                       {"name": "west", "learners": 1, "batch_size": 2, "seq_len": 16, "inner_steps": 1,
+                        "store": {"url": "s3://west/runs"}}],
+           "data": {"corpora": [{"name": "prose", "source": "shakespeare"}]}, "sync": {"rounds": 1}}
+    with pytest.raises(SpecError, match=r"islands \['west'\] have stores of their own, and the spec has no "
+                                        r"signing keys: add the `signing` sections `archipelago keys` prints, or say "
+                                        r"unauthenticated: true"):
+        parse_spec(raw)
+    assert parse_spec({**raw, "unauthenticated": True}).signing is None
+    del raw["islands"][1]["store"]
+    assert not parse_spec(raw).unauthenticated  # one store: `run` signs it with the host's keys
+
+
+def test_an_unauthenticated_run_says_so_when_it_starts(tmp_path, capsys):
+    from flows.cli_run import _launch
+
+    spec = parse_spec({**demo_raw(), "unauthenticated": True, "store": {"url": str(tmp_path / "store")},
+                       "data": {"corpora": [{"name": "none", "source": "files", "paths": ["nothing-here/*"]}]}})
+    assert _launch(spec, "r", None) == 2  # its data path is refused after the warning, before any work
+    err = capsys.readouterr().err
+    assert err.index("warning: run r is unauthenticated (unauthenticated: true)") < err.index("matched no files")
 
 
 def test_no_model_size_is_refused_by_the_spec_alone():

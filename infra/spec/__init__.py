@@ -60,7 +60,13 @@ class RunSpec(SpecModel):
     signing: SigningSpec | None = Field(
         None, description="The control plane's signing keys. With them (and each island's), every record in the "
                           "stores is signed by its writer and checked by its readers; without, the run is "
-                          "unauthenticated and its report says so.")
+                          "unauthenticated and says so when it starts and in its report. `archipelago run`, "
+                          "`serve` and `deploy` fill it (and each island's) from keys of their own when a spec has "
+                          "none and does not say unauthenticated.")
+    unauthenticated: bool = Field(
+        False, description="Run without signing keys: any writer of the run's stores could plant the records it "
+                           "acts on. A spec with more than one store (islands with stores of their own) and no "
+                           "signing keys must say so.")
 
     @model_validator(mode="after")
     def _every_writer_signs_or_none(self) -> "RunSpec":
@@ -69,6 +75,8 @@ class RunSpec(SpecModel):
             raise ValueError(f"signing: islands {unsigned} have no signing keys; give every island its own, or none")
         if self.signing is None and len(unsigned) < len(self.islands):
             raise ValueError("islands[].signing needs the control plane's keys too (signing)")
+        if self.signing is not None and self.unauthenticated:
+            raise ValueError("unauthenticated: true, but the spec has signing keys; drop one or the other")
         return self
 
     @model_validator(mode="after")
@@ -141,6 +149,15 @@ class RunSpec(SpecModel):
             raise ValueError(f"sync.stall_limit_s: {self.sync.stall_limit_s:g} s is shorter than a partner wait and "
                              f"two store calls may take (partner_timeout_s plus twice the longest retry_budget_s: "
                              f"{self._longest_legitimate_stall_s:g} s)")
+        return self
+
+    @model_validator(mode="after")
+    def _several_stores_sign(self) -> "RunSpec":
+        # Checked last: a store that cannot work at all is the first thing to say.
+        stores = [i.name for i in self.islands if i.store is not None]
+        if self.signing is None and stores and not self.unauthenticated:
+            raise ValueError(f"islands {stores} have stores of their own, and the spec has no signing keys: add the "
+                             "`signing` sections `archipelago keys` prints, or say unauthenticated: true")
         return self
 
     @property
@@ -233,6 +250,11 @@ def parse_spec(raw: dict, purpose: Literal["train", "plan"] = "train") -> RunSpe
 
 def load_spec(path: str | Path, purpose: Literal["train", "plan"] = "train", overrides: Sequence[str] = ()) -> RunSpec:
     """The spec of a YAML file, with the command line's `--set` `overrides` (infra/spec/overrides.py) laid over it."""
+    return parse_spec(load_raw_spec(path, overrides), purpose)
+
+
+def load_raw_spec(path: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """A spec file's YAML with `overrides` laid over it, not yet validated."""
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"run spec not found: {path}")
@@ -246,5 +268,5 @@ def load_spec(path: str | Path, purpose: Literal["train", "plan"] = "train", ove
         raw = apply_overrides(raw, overrides)
     except OverrideError as err:
         raise SpecError(str(err)) from None
-    return parse_spec(raw, purpose)
+    return raw
 
