@@ -12,10 +12,12 @@ import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flows.cli import main
+from flows.cli_run import load_spec_or_say_why
 from infra import layout
 from infra.derived import commit_derived
-from infra.spec import load_spec
+from infra.local_keys import keys_root
 from infra.store import ObjectStore
+from infra.stores import open_run
 from tests.test_models import MODELS
 from training.model.params import flat_parameters
 from training.model.registry import build_model, load_model
@@ -30,12 +32,31 @@ def consolidated_run(tmp_path, model: dict, tokenizer: dict | None = None):
         "data": {"corpora": [{"name": "text", "source": "files", "paths": ["unused/*.txt"]}],
                  **({"tokenizer": tokenizer} if tokenizer else {})},
         "sync": {"rounds": 2}, "store": {"url": str(tmp_path / "store")}}))
-    spec = load_spec(config)
+    spec = load_spec_or_say_why(str(config), host_keys="read")  # signed with this host's keys, as `run` signs it
     weights = flat_parameters(build_model(spec))
     weights += 0.05 * torch.randn(weights.shape, generator=torch.Generator().manual_seed(1))
-    store = ObjectStore(spec.store.url).child("runs/r")
-    commit_derived(store, layout.CONSOLIDATED, {"weights": weights}, {"tokens": 1})
+    # The control plane's private key is in the environment only while the model is committed: export reads
+    # with the spec's public keys alone.
+    with pytest.MonkeyPatch.context() as patch:
+        sign_as_control_plane(patch, spec)
+        store = open_run(spec, "r")
+        commit_derived(store, layout.CONSOLIDATED, {"weights": weights}, {"tokens": 1})
+    assert spec.signing.private_key_env not in os.environ
     return config, spec, store
+
+
+def sign_as_control_plane(monkeypatch, spec) -> None:
+    """The control plane's private key, from this host's keys, where a run's start reads it."""
+    monkeypatch.setenv(spec.signing.private_key_env, (keys_root() / spec.name / "control.key").read_text().strip())
+
+
+def test_export_reads_with_public_keys_only_and_refuses_a_planted_model(tmp_path, capsys):
+    config, spec, store = consolidated_run(tmp_path, {"layers": 2, "width": 32, "heads": 2})
+    assert main(["export", str(config), "r", "--out", str(tmp_path / "hf")]) == 0  # no private key here
+    planted = ObjectStore(spec.store.url).child("runs/planted")  # a store writer without the control plane's key
+    commit_derived(planted, layout.CONSOLIDATED, {"weights": flat_parameters(build_model(spec))}, {"tokens": 1})
+    assert main(["export", str(config), "planted", "--out", str(tmp_path / "hf-planted")]) == 2
+    assert "not signed" in capsys.readouterr().err and not (tmp_path / "hf-planted").exists()
 
 
 @pytest.mark.parametrize("name", ["byte_gpt", "llama", "mixtral"])
@@ -76,6 +97,7 @@ def test_a_run_started_from_an_export_starts_from_its_weights(tmp_path, monkeypa
     monkeypatch.setenv("ARCHIPELAGO_DATA_ROOT", str(tmp_path / "corpora"))
     raw = spec.model_dump(mode="json")
     again = parse_spec({**raw, "seed": 7, "model": {**raw["model"], "init_from": "exported"}})
+    sign_as_control_plane(monkeypatch, spec)
     started = start_run(again, "continued")
 
     trained, _ = load_model(spec, store, layout.CONSOLIDATED)
@@ -92,6 +114,7 @@ def test_weights_that_do_not_fit_the_spec_or_lie_outside_the_data_root_are_refus
     config, spec, _ = consolidated_run(tmp_path, MODELS["llama"])
     assert main(["export", str(config), "r", "--out", str(tmp_path / "corpora" / "llama")]) == 0
     monkeypatch.setenv("ARCHIPELAGO_DATA_ROOT", str(tmp_path / "corpora"))
+    sign_as_control_plane(monkeypatch, spec)
     raw = spec.model_dump(mode="json")
     wider = {**raw["model"]["transformers"], "config": {**raw["model"]["transformers"]["config"], "hidden_size": 64}}
     with pytest.raises(ValueError, match="does not fit the spec's model"):
