@@ -1,0 +1,67 @@
+"""Signing on by default, and what a run trusts on the operator's machine: a spec with island stores and
+no keys is refused (tests/test_spec.py), `resume --store` takes a stored spec only against a pinned key,
+the data root holds no keys or Prefect home, and a tracker's endpoint is the worker's own setting."""
+
+from __future__ import annotations
+
+import base64
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from flows.cli import main
+from flows.cli_run import load_spec_or_say_why, stored_spec
+from infra import layout
+from infra.authority import CONTROL, Authority, Signer, generate_keypair, public_key_of
+from infra.local_keys import keys_root
+from infra.store import ObjectStore, run_store
+from infra.stores import open_run
+from tests.test_cli import write_config
+
+
+@pytest.fixture
+def signed_demo(tmp_path, monkeypatch):
+    """configs/demo.yaml as `archipelago run` loads it (this host's keys), its spec.json written by the
+    control plane as a run's start writes it."""
+    spec = load_spec_or_say_why(write_config(tmp_path, store={"url": str(tmp_path / "store")}), host_keys="read")
+    folder = keys_root() / spec.name
+    for writer in [CONTROL, *(i.name for i in spec.islands)]:
+        section = spec.signing if writer == CONTROL else next(i.signing for i in spec.islands if i.name == writer)
+        monkeypatch.setenv(section.private_key_env, (folder / f"{writer}.key").read_text().strip())
+    open_run(spec, "r").put_json(layout.SPEC, spec.model_dump(mode="json"))
+    return spec
+
+
+def test_resume_from_a_store_takes_its_spec_only_against_the_pinned_control_key(signed_demo, tmp_path, capsys):
+    spec, url = signed_demo, signed_demo.store.url
+    key = spec.signing.public_key
+    # Without a pinned key: refused, whatever the store holds.
+    assert main(["resume", "r", "--store", url]) == 2
+    assert "cannot resume r from --store alone" in capsys.readouterr().err
+    # Signed by the control plane and naming the pinned key: taken.
+    assert stored_spec(url, None, "r", key) == spec
+
+    # A store writer's swap: the run's spec without its keys (an unauthenticated run of their choosing).
+    unsigned = spec.model_dump(mode="json") | {"signing": None, "unauthenticated": True,
+                                               "islands": [{**i, "signing": None} for i in spec.model_dump(
+                                                   mode="json")["islands"]]}
+    ObjectStore(url).child("runs/swapped").put_json(layout.SPEC, unsigned)
+    # ... the same spec signed with an island's valid key, which may not write it ...
+    island = run_store(spec.store, "island-signed", Authority.of(spec, "east"))
+    island.put_json(layout.SPEC, spec.model_dump(mode="json"))
+    # ... and a spec of the attacker's own keys, signed with them.
+    private, public = generate_keypair()
+    theirs = Authority({CONTROL: public_key_of(public)}, (), Signer(
+        CONTROL, Ed25519PrivateKey.from_private_bytes(base64.b64decode(private))))
+    run_store(spec.store, "own-keys", theirs).put_json(
+        layout.SPEC, spec.model_dump(mode="json") | {"signing": {**spec.signing.model_dump(), "public_key": public}})
+    for run_id, why in [("swapped", "not signed"), ("island-signed", "signed by a writer that may not write it"),
+                        ("own-keys", "its signature does not verify")]:
+        assert main(["resume", run_id, "--store", url, "--control-public-key", key]) == 2, run_id
+        assert f"error: cannot resume {run_id}: object runs/{run_id}/spec.json: {why}" in capsys.readouterr().err
+
+
+def test_a_failed_signed_run_prints_a_resume_command_that_pins_its_key(signed_demo):
+    from flows.cli_run import resume_command
+
+    assert resume_command(signed_demo, "r").endswith(f"--control-public-key {signed_demo.signing.public_key}")
