@@ -5,6 +5,7 @@ the data root holds no keys or Prefect home, and a tracker's endpoint is the wor
 from __future__ import annotations
 
 import base64
+import tempfile
 
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -13,10 +14,12 @@ from flows.cli import main
 from flows.cli_run import load_spec_or_say_why, stored_spec
 from infra import layout
 from infra.authority import CONTROL, Authority, Signer, generate_keypair, public_key_of
-from infra.local_keys import keys_root
+from infra.local_keys import KEYS_DIR_ENV, keys_root
 from infra.store import ObjectStore, run_store
 from infra.stores import open_run
 from tests.test_cli import write_config
+from tests.test_security_inputs import files_spec
+from training.data.corpora import DATA_ROOT_ENV, DataError, data_root
 
 
 @pytest.fixture
@@ -65,3 +68,30 @@ def test_a_failed_signed_run_prints_a_resume_command_that_pins_its_key(signed_de
     from flows.cli_run import resume_command
 
     assert resume_command(signed_demo, "r").endswith(f"--control-public-key {signed_demo.signing.public_key}")
+
+
+@pytest.mark.parametrize("holds", ["the signing keys", "the working directory's .archipelago", "the temporary folder"])
+def test_a_data_root_holding_keys_or_a_prefect_home_is_refused(tmp_path, monkeypatch, holds):
+    """The keys `run` signs with, `serve`'s Prefect home (.archipelago/prefect) and the temporary server's
+    (in the temporary folder) must not be readable as a corpus."""
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "elsewhere" / "prefect"))
+    monkeypatch.setenv(KEYS_DIR_ENV, str(tmp_path / "elsewhere" / "keys"))
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "elsewhere" / "tmp"))
+    (tmp_path / "elsewhere" / "tmp").mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read $TMPDIR again
+    root = tmp_path / "corpora"
+    if holds == "the signing keys":
+        monkeypatch.setenv(KEYS_DIR_ENV, str(root / "keys"))
+    elif holds == "the working directory's .archipelago":  # ARCHIPELAGO_DATA_ROOT=. where `serve` runs
+        root.mkdir()
+        monkeypatch.chdir(root)
+    else:
+        monkeypatch.setenv("TMPDIR", str(root / "tmp"))
+        (root / "tmp").mkdir(parents=True)
+    monkeypatch.setenv(DATA_ROOT_ENV, str(root))
+    spec = files_spec(tmp_path / "stores", "docs/*.txt")
+    with pytest.raises(DataError, match=f"{DATA_ROOT_ENV} {root} (overlaps|holds) {holds}"):
+        data_root(spec)
+    if holds == "the signing keys":
+        monkeypatch.setenv(KEYS_DIR_ENV, str(tmp_path / "elsewhere" / "keys"))
+        assert data_root(spec) == root  # the same root, once the keys are elsewhere

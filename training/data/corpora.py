@@ -27,6 +27,7 @@ from urllib.parse import unquote, urljoin, urlsplit, urlunsplit
 
 import datasets
 
+from infra.local_keys import keys_root
 from infra.objects import parse_store_url
 from infra.spec import SpecError
 
@@ -242,7 +243,8 @@ def data_root(spec) -> Path:
     A setting of the control plane, never of the spec: a spec can come from the UI's form, and its
     author could otherwise name any file the control plane can read. There is no default: a worker's
     working directory holds Prefect's home (its database) and the default store (every run's objects).
-    For the same reason the root may neither hold nor lie inside Prefect's home or a local store of `spec`.
+    For the same reason the root may neither hold nor lie inside Prefect's home, the signing keys, the
+    working directory's `.archipelago` or a local store of `spec`, nor hold the temporary folder.
     """
     setting = os.environ.get(DATA_ROOT_ENV)
     if not setting:
@@ -250,7 +252,10 @@ def data_root(spec) -> Path:
                         "is not set: set it to the folder that holds the corpora (and neither Prefect's "
                         "home nor a store)")
     root = Path(setting).resolve()
-    guarded = {"Prefect's home": Path(os.environ.get("PREFECT_HOME") or PREFECT_HOME_DEFAULT).expanduser().resolve()}
+    guarded = {"Prefect's home": Path(os.environ.get("PREFECT_HOME") or PREFECT_HOME_DEFAULT).expanduser().resolve(),
+               "the signing keys": keys_root(),
+               # `archipelago serve`'s Prefect home and logs, the default store and keys.
+               "the working directory's .archipelago": Path(".archipelago").resolve()}
     for what, store_spec in [("the run's store", spec.store),
                              *((f"island {i.name}'s store", i.store) for i in spec.islands if i.store)]:
         url = parse_store_url(store_spec.url)
@@ -260,6 +265,10 @@ def data_root(spec) -> Path:
         if path.is_relative_to(root) or root.is_relative_to(path):
             raise DataError(f"{DATA_ROOT_ENV} {root} overlaps {what} {path}: a `files` corpus could read it; "
                             "set it to a folder that holds only corpora")
+    # Where `archipelago run`'s temporary Prefect server keeps its home (the data root may lie inside it).
+    if Path(tempfile.gettempdir()).resolve().is_relative_to(root):
+        raise DataError(f"{DATA_ROOT_ENV} {root} holds the temporary folder {tempfile.gettempdir()}, where a run's "
+                        "temporary Prefect server keeps its home: set it to a folder that holds only corpora")
     return root
 
 
