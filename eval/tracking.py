@@ -9,7 +9,8 @@ the end. Every writer of a run, on any worker, logs to one tracker run named by 
 A `Sink` buffers points and writes them in batches (`tracking.flush_every_records` or
 `flush_every_s`, and when it closes), so a remote tracker is not called per round. Each backend's
 package is an optional extra, imported only when a spec names the backend. Credentials come from the
-writing process's environment, never from the spec.
+writing process's environment, never from the spec, and so does a tracker server: a spec's server must
+be the one that environment names (`check_endpoint`).
 """
 
 from __future__ import annotations
@@ -73,7 +74,26 @@ class TrackerLink:
 
 
 class TrackingUnavailable(RuntimeError):
-    """The backend's package is not installed here; the message names the extra that installs it."""
+    """The backend's package is not installed here (the message names the extra that installs it), or
+    the spec names a tracker server that is not the one this process is configured for."""
+
+
+# Where a writing process is configured to log to a tracker server: its own settings, as its credentials are.
+TRACKER_ENDPOINTS = {"mlflow": "MLFLOW_TRACKING_URI", "wandb": "WANDB_BASE_URL"}
+
+
+def check_endpoint(settings: TrackingSpec) -> None:
+    """A tracker server a spec names (an http(s) or databricks `tracking.uri`) must be the one this process
+    is configured for ($MLFLOW_TRACKING_URI, $WANDB_BASE_URL): its credentials for that server are sent
+    to it, so a spec must not pick the host. Folders and local databases are not servers."""
+    if settings.uri is None or urlsplit(settings.uri).scheme not in ("http", "https", "databricks"):
+        return
+    variable = TRACKER_ENDPOINTS[settings.backend]
+    if settings.uri.rstrip("/") != os.environ.get(variable, "").rstrip("/"):
+        # Neither value is quoted: either may hold what a log should not.
+        raise TrackingUnavailable(f"tracking.uri names a {settings.backend} server that is not this worker's "
+                                  f"${variable}; a tracker's server is the worker's own setting, so that its "
+                                  f"credentials go nowhere else: set ${variable} where the run's writers run")
 
 
 def learner_points(island: str, learner: int, tokens_per_round: int, rounds: list[dict],
@@ -328,9 +348,14 @@ class WandbSink(Sink):
 BACKENDS: dict[str, type[Sink]] = {"tensorboard": TensorBoardSink, "mlflow": MlflowSink, "wandb": WandbSink}
 
 
-def open_sink(settings: TrackingSpec, spec_name: str, run_id: str, writer: str, primary: bool = False) -> Sink:
+def open_sink(settings: TrackingSpec, spec_name: str, run_id: str, writer: str, primary: bool = False,
+              from_spec: bool = True) -> Sink:
     """A sink on the tracker run of `run_id`, for `writer` (the control plane, an island, an export).
-    `primary`: the writer that creates the run and ends it (the control plane)."""
+    `primary`: the writer that creates the run and ends it (the control plane). `from_spec`: `settings`
+    are a run spec's, whose server must be this process's own (`check_endpoint`); an operator's command
+    line names its own."""
+    if from_spec:
+        check_endpoint(settings)
     options = {"primary": primary} if settings.backend == "wandb" else {}
     return BACKENDS[settings.backend](settings, settings.project_of(spec_name), run_id, writer, **options)
 

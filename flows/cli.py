@@ -156,7 +156,7 @@ def export_metrics(args: argparse.Namespace) -> int:
         return 2
     try:
         store = open_run(spec, args.run_id, writer=None)
-        sink = open_sink(settings, spec.name, args.run_id, "export", primary=True)
+        sink = open_sink(settings, spec.name, args.run_id, "export", primary=True, from_spec=False)
         try:
             logged = replay_run(spec, store, sink)
             link = sink.link()

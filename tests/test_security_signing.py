@@ -5,6 +5,7 @@ the data root holds no keys or Prefect home, and a tracker's endpoint is the wor
 from __future__ import annotations
 
 import base64
+import socket
 import tempfile
 
 import pytest
@@ -95,3 +96,29 @@ def test_a_data_root_holding_keys_or_a_prefect_home_is_refused(tmp_path, monkeyp
     if holds == "the signing keys":
         monkeypatch.setenv(KEYS_DIR_ENV, str(tmp_path / "elsewhere" / "keys"))
         assert data_root(spec) == root  # the same root, once the keys are elsewhere
+
+
+def test_a_spec_cannot_send_a_workers_tracker_token_to_a_host_it_names(monkeypatch):
+    """The spec names an MLflow server that listens here; the worker is configured for another one and
+    holds a token. Opening the run's tracker is refused before any connection to the spec's host."""
+    from eval.tracking import TrackingUnavailable, check_endpoint, open_sink
+    from infra.spec.tracking import TrackingSpec
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        named = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "worker-token-do-not-send")
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.internal.example")
+        with pytest.raises(TrackingUnavailable, match=r"tracking.uri names a mlflow server that is not this "
+                                                      r"worker's \$MLFLOW_TRACKING_URI") as refusal:
+            open_sink(TrackingSpec(backend="mlflow", uri=named), "run", "run-1", "east")
+        assert "127.0.0.1" not in str(refusal.value) and "internal" not in str(refusal.value)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nobody connected
+        monkeypatch.delenv("MLFLOW_TRACKING_URI")
+        with pytest.raises(TrackingUnavailable):  # a worker configured for no server logs to none
+            open_sink(TrackingSpec(backend="wandb", uri=named), "run", "run-1", "east")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", named + "/")
+    check_endpoint(TrackingSpec(backend="mlflow", uri=named))  # the worker's own server: allowed

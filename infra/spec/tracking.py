@@ -3,7 +3,9 @@ receives a run's per-round series and its final figures (eval/tracking.py writes
 
 The spec names where the tracker is, never how to log in: a tracker's credentials (WANDB_API_KEY,
 MLFLOW_TRACKING_TOKEN, ...) come from the environment of the process that writes, the island's worker
-or the control plane, and learner processes never inherit them.
+or the control plane, and learner processes never inherit them. A tracker server the spec names must be
+the one that process is configured for (eval/tracking.py's `check_endpoint`), so a spec cannot send a
+worker's token to a host of its choosing.
 """
 
 from __future__ import annotations
@@ -33,8 +35,10 @@ class TrackingSpec(SpecModel):
         description="tensorboard: the folder event files go to (a run's are under <uri>/<run id>; a shared "
                     "filesystem when islands run on several machines). mlflow: the tracking URI (http(s)://host, "
                     "sqlite:///path.db, a folder). wandb: a folder for its local files, or the http(s) base URL of "
-                    "a W&B server (empty: wandb's defaults). Never credentials: those come from the writing "
-                    "process's environment (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ...).")
+                    "a W&B server (empty: wandb's defaults). A server must be the one each writing process is "
+                    "configured for ($MLFLOW_TRACKING_URI, $WANDB_BASE_URL), which its credentials go to: the spec "
+                    "only names it. Never credentials: those come from the writing process's environment "
+                    "(WANDB_API_KEY, MLFLOW_TRACKING_TOKEN, ...).")
     project: str | None = Field(
         None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
         description="MLflow experiment or W&B project the run is logged under (empty: the spec's name). Every "
