@@ -32,6 +32,7 @@ from dateutil.rrule import DAILY, rrule
 from prefect.deployments.runner import EntrypointType
 
 from infra.guard import PARENT_PID, guarded_module
+from infra.local_keys import owner_only_folder
 from infra.spec import RunSpec
 from infra.spec.windows import CapacityWindow
 from tasks.segments import baseline_deployment, island_pool, segment_deployment
@@ -70,7 +71,7 @@ def api_auth_string(home: Path) -> str:
     if given := os.environ.get(AUTH_STRING_ENV):
         return given
     path = home / AUTH_STRING_FILE
-    home.mkdir(parents=True, exist_ok=True)
+    owner_only_folder(home)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
@@ -159,16 +160,18 @@ def prefect_server(port: int, home: Path, log_dir: Path, auth_string: str, start
     """A `prefect server` bound to `host` (loopback, or an address inside a namespace of the caller's
     own, as the shaped-link bench gives its first island), started under the command prefix
     `wrapper` (which must exec it), answering only requests that carry `auth_string` (its health check
-    excepted); yields its API URL. Without `ui` it serves no UI and answers cross-origin requests from
-    its own origin only (with one, the UI may be opened under another name of the host). It runs in a
-    session of its own (a Ctrl-C to the terminal's process group does not reach it), writes its files
-    (its database) readable by its user only, and dies with the calling thread (`infra.guard`)."""
-    home.mkdir(parents=True, exist_ok=True)
+    excepted); yields its API URL. It answers cross-origin requests from its own origin only (and, with
+    the `ui`, from the same port under the name localhost, which a browser may open it as), so no other
+    web page the operator has open can use it. It runs in a session of its own (a Ctrl-C to the
+    terminal's process group does not reach it), keeps its home (mode 0700) and files (its database)
+    readable by its user only, and dies with the calling thread (`infra.guard`)."""
+    owner_only_folder(home)
     origin = f"http://{host}:{port}"
+    origins = [origin, f"http://localhost:{port}"] if ui and host == "127.0.0.1" else [origin]
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_AUTH_STRING": auth_string,
            "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_UI_ENABLED": str(ui).lower(),
            "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           PARENT_PID: str(os.getpid()), **({} if ui else {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": origin})}
+           PARENT_PID: str(os.getpid()), "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": ",".join(origins)}
     env.pop("PREFECT_API_URL", None)
     api_url = f"{origin}/api"
     with _started([[*wrapper, *guarded_module("prefect"), "server", "start"]], env, [log_dir / SERVER_LOG],

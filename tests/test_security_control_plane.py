@@ -217,3 +217,18 @@ def test_an_island_runs_one_segment_of_a_run_at_a_time(control_plane, tmp_path):
     assert window_1.start_time > window_0.end_time  # the second began once the first was over
     assert all(isinstance(ended[n], RuntimeError) and ("ended Cancelled" in str(ended[n]) or "termination signal"
                                                        in str(ended[n])) for n in (0, 1)), ended
+
+
+def test_the_served_control_plane_keeps_its_home_to_its_user_and_answers_no_other_origin(control_plane):
+    """Attack: a web page the operator has open calls the API from its own origin. `archipelago serve`'s
+    server grants no other origin (before, CORS `*`); its home is 0700 and its database 0600."""
+    import stat
+
+    api_url, _, home, _ = control_plane
+    port = api_url.rsplit(":", 1)[1].split("/")[0]
+    for origin, allowed in [("http://elsewhere.example", None), (f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}")]:
+        request = urllib.request.Request(f"{api_url}/health", headers={"Origin": origin})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            assert answer.headers.get("access-control-allow-origin") == allowed, origin
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700
+    assert stat.S_IMODE((home / "prefect.db").stat().st_mode) == 0o600
