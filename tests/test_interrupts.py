@@ -167,7 +167,8 @@ def test_sigint_then_sigkill_mid_islands_stop_everything_and_the_resumes_finish_
     interrupted_at = time.monotonic()
     assert run.finish(STOPPED_WITHIN_S) == 130, run.output[-3000:]
     assert gone_within(server + learners, STOPPED_WITHIN_S - (time.monotonic() - interrupted_at)) == []
-    printed = re.search(r"interrupted \(SIGINT\).*continue with: (archipelago resume (\S+) --store \S+)$",
+    printed = re.search(r"interrupted \(SIGINT\).*continue with: "
+                        r"(archipelago resume (\S+) --store \S+ --control-public-key \S+)$",
                         run.output, re.M)
     assert printed, run.output[-3000:]
     resume_command, run_id = printed.groups()
