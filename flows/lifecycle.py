@@ -48,6 +48,9 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
     check_memory(spec)  # a run whose ranks would not fit their accelerators fails here, before any work
     load_credential_blocks(spec)
     run_id = run_id or new_run_id(spec)
+    if spec.signing is None:
+        get_run_logger().warning("run %s is unauthenticated (unauthenticated: true): nothing it reads from its "
+                                 "stores is checked, so anyone who can write them can change what it trains", run_id)
     with held_lease(open_run(spec, run_id), run_id, this_process(**{"flow run": str(flow_run.id)}),
                     warn=get_run_logger().warning, on_lost=lambda reason: stop_run_work(run_id, reason)) as lease:
         try:
