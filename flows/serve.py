@@ -32,7 +32,7 @@ from dateutil.rrule import DAILY, rrule
 from prefect.deployments.runner import EntrypointType
 
 from infra.guard import PARENT_PID, guarded_module
-from infra.local_keys import owner_only_folder
+from infra.local_keys import SIGNING_KEY_PREFIX, owner_only_folder
 from infra.spec import RunSpec
 from infra.spec.windows import CapacityWindow
 from tasks.segments import baseline_deployment, island_pool, segment_deployment
@@ -168,10 +168,11 @@ def prefect_server(port: int, home: Path, log_dir: Path, auth_string: str, start
     owner_only_folder(home)
     origin = f"http://{host}:{port}"
     origins = [origin, f"http://localhost:{port}"] if ui and host == "127.0.0.1" else [origin]
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_API_AUTH_STRING": auth_string,
-           "PREFECT_SERVER_API_HOST": host, "PREFECT_SERVER_UI_ENABLED": str(ui).lower(),
-           "PREFECT_SERVER_API_PORT": str(port), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           PARENT_PID: str(os.getpid()), "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": ",".join(origins)}
+    # The server signs nothing: no writer's key of this host's (infra/local_keys.py) reaches it.
+    env = {**{name: value for name, value in os.environ.items() if not name.startswith(SIGNING_KEY_PREFIX)},
+           "PREFECT_HOME": str(home), "PREFECT_SERVER_API_AUTH_STRING": auth_string, "PREFECT_SERVER_API_HOST": host,
+           "PREFECT_SERVER_UI_ENABLED": str(ui).lower(), "PREFECT_SERVER_API_PORT": str(port),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", PARENT_PID: str(os.getpid()), "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": ",".join(origins)}
     env.pop("PREFECT_API_URL", None)
     api_url = f"{origin}/api"
     with _started([[*wrapper, *guarded_module("prefect"), "server", "start"]], env, [log_dir / SERVER_LOG],

@@ -17,6 +17,7 @@ from pathlib import Path
 from infra.authority import CONTROL, generate_keypair, public_key_from_private
 
 KEYS_DIR_ENV = "ARCHIPELAGO_KEYS_DIR"
+SIGNING_KEY_PREFIX = "ARCHIPELAGO_SIGNING_KEY_"
 DEFAULT_KEYS_DIR = ".archipelago/keys"
 # A spec's and an island's names as the spec allows them: the only names that become a path here.
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,47}$")
@@ -28,7 +29,7 @@ def keys_root() -> Path:
 
 def private_key_env(writer: str) -> str:
     """The environment variable a writer's private key is in where it runs."""
-    return f"ARCHIPELAGO_SIGNING_KEY_{writer.upper().replace('-', '_')}"
+    return SIGNING_KEY_PREFIX + writer.upper().replace("-", "_")
 
 
 def owner_only_folder(folder: Path) -> Path:
