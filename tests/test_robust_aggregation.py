@@ -8,9 +8,11 @@ import torch
 from infra import layout
 from infra.authority import CONTROL
 from training.consolidate import consolidate
+from training.learner.loop import Learner
 from training.learner.ledger import LearnerSummary, write_summary
 from training.model.params import flat_parameters
 from training.model.registry import build_model, load_model
+from tests.learners import run_both
 from tests.test_security_authority import signed_run  # noqa: F401 - the fixture
 
 
@@ -54,3 +56,48 @@ def test_consolidation_reads_the_checkpoint_the_summary_names(signed_run):  # no
 
     model = flat_parameters(load_model(spec, store_of(CONTROL), layout.CONSOLIDATED)[0])
     assert torch.allclose(model, base + 0.01)
+
+
+def final_losses(spec, store, attacker: int | None) -> list[Learner]:
+    """Train every learner of the run, one of them (`attacker`) sending, each round, an anchor 1.45 times
+    and a pseudo-gradient -9.5 times its honest ones: inside every fixed bound of `check_bounds`."""
+    learners = [Learner(spec, store, i) for i in range(len(spec.learners))]
+    if attacker is not None:
+        exchanger = learners[attacker].exchanger
+        honest_publish = exchanger.publish
+        exchanger.publish = lambda round_index, anchor, delta: honest_publish(round_index, 1.45 * anchor, -9.5 * delta)
+    run_both(learners)
+    return learners
+
+
+def test_a_partner_that_pulls_inside_every_fixed_bound_each_round_is_clipped(two_learner_run):
+    """Unclipped, the honest partner's loss went from 5.4 to 55 in 8 rounds (2.3 with an honest one);
+    with the pair's bounds it stays near where it began (5.5), and every one of the attacker's messages
+    is booked as clipped in the partner's record."""
+    honest = final_losses(*two_learner_run("honest", layers=1, inner_steps=4, run_id="honest", rounds=8,
+                                           partner_timeout_s=5), attacker=None)
+    attacked = final_losses(*two_learner_run("attacked", layers=1, inner_steps=4, run_id="attacked", rounds=8,
+                                             partner_timeout_s=5), attacker=1)
+    honest_loss, attacked_loss = honest[0].ledger.rounds[-1]["loss"], attacked[0].ledger.rounds[-1]["loss"]
+    assert attacked_loss < 3 * honest_loss and attacked_loss < attacked[0].ledger.rounds[0]["loss"] + 1
+    record = attacked[0].exchanger.applied_influence.report()["1"]
+    assert record["clipped"] == record["mixed"] == 8 and record["smallest_factor"] < 0.5
+    assert honest[0].exchanger.applied_influence.report()["1"]["clipped"] == 0  # honest partners mix untouched
+
+
+@pytest.mark.parametrize("mode", ["allreduce", "hierarchical"])
+def test_one_bad_member_of_a_mean_is_clipped_to_the_median_members(two_learner_run, mode):
+    """Two islands of two learners; learner 3 sends -9.5 times its pseudo-gradient and steps its shard
+    of the sharded outer step from 1.45 times the anchor, every round. Measured final losses: allreduce
+    2.42-2.46 honest, 2.64-2.78 attacked (51-55 unclipped); hierarchical 2.39-2.44 honest, 3.13-3.49
+    attacked (17-17.5 unclipped)."""
+    settings = dict(layers=1, inner_steps=4, island={"learners": 2}, rounds=8, partner_timeout_s=5, mode=mode)
+    honest = final_losses(*two_learner_run("honest", run_id="honest", **settings), attacker=None)
+    attacked = final_losses(*two_learner_run("attacked", run_id="attacked", **settings), attacker=3)
+    honest_loss = max(learner.ledger.rounds[-1]["loss"] for learner in honest)
+    for learner in attacked[:3]:
+        assert learner.ledger.rounds[-1]["loss"] < 1.6 * honest_loss
+    assert attacked[2].exchanger.applied_influence.report()["3"]["clipped"] > 0
+    if mode == "allreduce":
+        anchors = [learner.exchanger.anchors() for learner in attacked[:3]]
+        assert all(torch.equal(anchors[0], other) for other in anchors[1:])  # the honest members still agree

@@ -31,6 +31,7 @@ from training.events import emit
 from training.exchange.channel import Channel, MalformedMessage
 from training.exchange.compression import ErrorFeedback
 from training.exchange.fragments import FragmentLayout, fragment_of_round
+from training.exchange.influence import Influence
 from training.exchange.messages import ExpectedMessage, MessageRejected, accept_message, check_bounds
 from training.exchange.modes import Phase, sync_mode
 from training.exchange.outer import OuterOptimizer, StateRejected
@@ -84,6 +85,10 @@ class Exchanger:
         self.codec = self.mode.run_codec
         self.feedback = ErrorFeedback(self.codec, initial.numel(), self.mode.residual_fields(), settings.error_feedback)
         self.links = self.mode.topology.links(slot.index)
+        # How far each peer moved this learner's mixes; checkpoints take `applied_influence`, as of the
+        # latest applied exchange, while the next one may be changing the live records.
+        self.influence = Influence(self.me)
+        self.applied_influence = self.influence.snapshot()
 
     # -- the public face ------------------------------------------------------------------------
 
@@ -111,6 +116,7 @@ class Exchanger:
         fragment = self.fragments[exchange.fragment]
         result: ExchangeResult = exchange.result.result()
         fragment.anchor, fragment.outer_state = result.anchor, result.outer_state
+        self.applied_influence = result.influence or self.applied_influence
         self.feedback.commit(fragment.index, result.residual)
         if result.crossing_residual:
             self.feedback.commit(self._positions(fragment, self.me, CROSSING), result.crossing_residual)
@@ -271,6 +277,10 @@ class Exchanger:
         for fragment in self.fragments:
             fragment.outer_state = fragment.outer.state()
 
+    def load_influence(self, tensors: dict[str, torch.Tensor], scalars: dict | None) -> None:
+        self.influence.load_state_dict(tensors, scalars)
+        self.applied_influence = self.influence.snapshot()
+
     def _outer_states(self, tensors: dict[str, torch.Tensor], scalars: dict):
         """(fragment, its outer optimizer's tensors, its scalars) out of `state_dict`'s layout: the state
         as is with one fragment, under `fragment-<n>.` prefixes and keys with several. A fragment's state
@@ -314,7 +324,7 @@ class Exchanger:
         # comes only once its sender's own island has been heard.
         later = None if deadline is None else time.monotonic() + max(0.0, deadline - began)
         result.anchor = self.mode.next_anchor(self, round_index, fragment.outer, own, result, later)
-        result.outer_state = fragment.outer.state()
+        result.outer_state, result.influence = fragment.outer.state(), self.influence.snapshot()
         result.seconds["outer_step"] = time.monotonic() - mixing - result.seconds.get("cross", 0.0)
         return result
 
@@ -325,6 +335,8 @@ class Exchanger:
         result.bytes_read[receipt.link] += receipt.bytes_read
         result.corrupt_reads += receipt.corrupt
         result.refused += receipt.refused
+        if receipt.refused:
+            self.influence.refused(receipt.peer)
         if receipt.message is None:
             result.missed.append({"round": round_index, "peer": receipt.peer, "reason": receipt.reason, **details})
         return receipt.message is not None

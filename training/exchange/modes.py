@@ -20,6 +20,7 @@ from training.exchange.compression import Codec
 from training.exchange.fragments import exchange_count, fragment_of_round, whole_parameter_shards
 from training.exchange.mixing import (butterfly_partner, crosses_islands_in, mean_over_islands, mix_pair, slice_bounds,
                                       stage_count, weighted_mean)
+from training.exchange.influence import Influence
 from training.exchange.outer import OuterOptimizer
 from training.exchange.plan import (CROSSING, CROSSING_FIELDS, CROSSING_RESIDUALS, MIXED, ROUND, SCATTERED, STEPPED,
                                     ExchangeResult, Received)
@@ -137,7 +138,7 @@ class SyncMode:
         me, fragment = runtime.me, runtime.fragment_of(round_index)
         start, end = self.outer_span(fragment.number, me)
         anchor = own["anchor"]
-        mean = mean_delta(me, own["delta"][start:end], self.topology.tokens[me], result.received)
+        mean = mean_delta(me, own["delta"][start:end], self.topology.tokens[me], result.received, runtime.influence)
         stepped = outer.step(anchor[start:end], mean)
         if not self.sharded:
             return stepped
@@ -147,13 +148,15 @@ class SyncMode:
             result.bytes_sent += shared.bytes_written
         assembled = anchor.clone()
         assembled[start:end] = stepped
+        shards = {me: (start, end)} if end > start else {}
         for peer in phase.sources:
             low, high = self.outer_span(fragment.number, peer)
             receipt = runtime.receive(peer, round_index, deadline, kind=STEPPED,
                                       own={"anchor": anchor[low:high], "delta": own["delta"][low:high]})
             if runtime.book(result, receipt, round_index, stepped=True):
                 assembled[low:high] = receipt.message.fields["anchor"]
-        return assembled
+                shards[peer] = (low, high)
+        return runtime.influence.clip_shards(anchor, assembled, shards)
 
 
 class Butterfly(SyncMode):
@@ -177,10 +180,14 @@ class Butterfly(SyncMode):
     def next_anchor(self, runtime, round_index, outer, own, result, deadline):
         if not result.received:
             return outer.step(own["anchor"], own["delta"])
-        theirs = result.received[0]
-        return outer.step(*mix_pair(own["anchor"], own["delta"], self.topology.tokens[runtime.me],
-                                    theirs.fields["anchor"], theirs.fields["delta"], theirs.tokens, runtime.me,
-                                    theirs.peer))
+        theirs, fragment = result.received[0], runtime.fragment_of(round_index).number
+        # Both partners clip the pair's messages alike, bounded by what the pair last agreed (`Influence`).
+        own, peer = runtime.influence.clip_pair(theirs.peer, fragment, own, theirs.fields,
+                                                stage_count(self.topology.learners))
+        anchor = outer.step(*mix_pair(own["anchor"], own["delta"], self.topology.tokens[runtime.me],
+                                      peer["anchor"], peer["delta"], theirs.tokens, runtime.me, theirs.peer))
+        runtime.influence.agreed(theirs.peer, fragment, anchor)
+        return anchor
 
 
 class AllReduce(SyncMode):
@@ -343,11 +350,13 @@ class Hierarchical(SyncMode):
         return crossed
 
 
-def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Received]) -> torch.Tensor:
-    """The token-weighted mean of this learner's pseudo-gradient and its peers'. Every learner sums in
-    learner order, so all that heard the same peers agree bitwise."""
-    messages = sorted([(me, own_delta, tokens)] + [(r.peer, r.fields["delta"], r.tokens) for r in received],
-                      key=lambda item: item[0])
+def mean_delta(me: int, own_delta: torch.Tensor, tokens: int, received: list[Received],
+               influence: Influence) -> torch.Tensor:
+    """The token-weighted mean of this learner's pseudo-gradient and its peers', each clipped to a
+    multiple of the median member's norm (`Influence.clip_members`: one bad member does not carry
+    the mean). Every learner clips and sums in learner order, so all that heard the same peers agree bitwise."""
+    messages = influence.clip_members(sorted(
+        [(me, own_delta, tokens)] + [(r.peer, r.fields["delta"], r.tokens) for r in received], key=lambda item: item[0]))
     return weighted_mean([m[1] for m in messages], [m[2] for m in messages])
 
 

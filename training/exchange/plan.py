@@ -99,6 +99,7 @@ class ExchangeResult:
     refused: int = 0  # peers' messages that came and were refused
     anchor: torch.Tensor | None = None  # the fragment's next anchor: the mix after the outer step
     outer_state: tuple[dict[str, torch.Tensor], dict] | None = None  # the outer optimizer's, after that step
+    influence: object = None  # the exchanger's `Influence` records after this mix (a snapshot)
     crossing_residual: dict[str, torch.Tensor] = field(default_factory=dict)  # over this learner's slice
     seconds: dict[str, float] = field(default_factory=dict)  # the job's parts: publish, receive, cross, outer_step
 

@@ -234,7 +234,7 @@ class Learner:
             links=self.transport.report(), stores=dict(self.transport.by_store), store_url=self.store.url,
             fragment_sizes=self.exchanger.layout.sizes, store=dict(self.store.stats),
             store_faults_injected=dict(getattr(self.store.fs, "counts", {})),
-            final_checkpoint=self._final_checkpoint())
+            final_checkpoint=self._final_checkpoint(), influence=self.exchanger.applied_influence.report())
         write_summary(self.store, self.spec, summary)
         emit("done", learner=self.slot.index)
 
