@@ -201,14 +201,15 @@ def resume(args: argparse.Namespace) -> int:
                 print(f"error: cannot resume {args.run_id}: its store holds another spec than {args.config}",
                       file=sys.stderr)
                 return 2
-        elif not args.control_public_key:
-            print(f"error: cannot resume {args.run_id} from --store alone: its spec.json is trusted only when it "
-                  "verifies against the control plane's public key; pass --control-public-key KEY (the spec's "
-                  "signing.public_key, as the run's failure message prints it), or the spec file with --config",
-                  file=sys.stderr)
-            return 2
         else:
-            spec = stored_spec(args.store, args.endpoint_url, args.run_id, args.control_public_key)
+            store_spec = StoreSpec(url=args.store, endpoint_url=args.endpoint_url)
+            if not args.control_public_key:
+                print(f"error: cannot resume {args.run_id} from --store alone: its spec.json is trusted only when "
+                      "it verifies against the control plane's public key; pass --control-public-key KEY (the "
+                      "spec's signing.public_key, as the run's failure message prints it), or the spec file with "
+                      "--config", file=sys.stderr)
+                return 2
+            spec = stored_spec(store_spec, args.run_id, args.control_public_key)
             with_pinned_host_keys(spec)
     except (StoreError, ValueError, OSError) as err:  # ValueError: pydantic's and SpecError, for bad input
         print(f"error: cannot resume {args.run_id}: {err}", file=sys.stderr)
@@ -216,14 +217,13 @@ def resume(args: argparse.Namespace) -> int:
     return _launch(spec, args.run_id, args.report)
 
 
-def stored_spec(store_url: str, endpoint_url: str | None, run_id: str, control_public_key: str) -> RunSpec:
+def stored_spec(store_spec: StoreSpec, run_id: str, control_public_key: str) -> RunSpec:
     """The spec a run's store holds, if the control plane whose public key is `control_public_key` signed it
     (else Unauthenticated, a StoreError) and it names that key as its own."""
     from infra.authority import CONTROL, Authority, public_key_of
 
     pinned = Authority({CONTROL: public_key_of(control_public_key)}, island_of_learner=())
-    spec = RunSpec.model_validate(run_store(StoreSpec(url=store_url, endpoint_url=endpoint_url), run_id,
-                                            pinned).get_json(layout.SPEC))
+    spec = RunSpec.model_validate(run_store(store_spec, run_id, pinned).get_json(layout.SPEC))
     if spec.signing is None or spec.signing.public_key != control_public_key:
         raise SpecError("its stored spec does not name --control-public-key as the control plane's key")
     return spec

@@ -43,7 +43,7 @@ def test_resume_from_a_store_takes_its_spec_only_against_the_pinned_control_key(
     assert main(["resume", "r", "--store", url]) == 2
     assert "cannot resume r from --store alone" in capsys.readouterr().err
     # Signed by the control plane and naming the pinned key: taken.
-    assert stored_spec(url, None, "r", key) == spec
+    assert stored_spec(spec.store, "r", key) == spec
 
     # A store writer's swap: the run's spec without its keys (an unauthenticated run of their choosing).
     unsigned = spec.model_dump(mode="json") | {"signing": None, "unauthenticated": True,
