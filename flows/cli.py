@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     resume_parser.add_argument("--control-public-key", default=None,
                                help="with --store: the control plane's public key (the spec's signing.public_key); "
                                     "the store's copy of the spec is taken only when it verifies against it")
+    resume_parser.add_argument("--unauthenticated", action="store_true",
+                               help="with --store: a run without signing keys, its stored spec taken unchecked")
     resume_parser.add_argument("--report", help="write the report JSON here")
     resume_parser.set_defaults(handler=resume)
     prepare_parser = commands.add_parser(

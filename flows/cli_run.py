@@ -130,7 +130,7 @@ def resume_command(spec: RunSpec, run_id: str) -> str:
     """The command line that continues the run from its store."""
     endpoint = f" --endpoint-url {spec.store.endpoint_url}" if spec.store.endpoint_url else ""
     if spec.signing is None:
-        return f"archipelago resume {run_id} --config <the run's spec file>"
+        return f"archipelago resume {run_id} --store {spec.store.url}{endpoint} --unauthenticated"
     return (f"archipelago resume {run_id} --store {spec.store.url}{endpoint} "
             f"--control-public-key {spec.signing.public_key}")
 
@@ -190,7 +190,8 @@ def resume(args: argparse.Namespace) -> int:
     learners restart from their newest checkpoints. With `--config`, the spec is the user's file (signed
     with this host's keys when it has none, as `run` does) and the store's copy must be that spec;
     without, the store's copy is taken only when it is signed by the control-plane key the operator pins
-    (`--control-public-key`): a store writer could otherwise swap in a spec of their own, without keys."""
+    (`--control-public-key`): a store writer could otherwise swap in a spec of their own, without keys.
+    `--unauthenticated` takes a run without keys as its store holds it, unchecked, as the operator says."""
     from infra.local_keys import with_host_keys, with_pinned_host_keys
 
     try:
@@ -203,14 +204,19 @@ def resume(args: argparse.Namespace) -> int:
                 return 2
         else:
             store_spec = StoreSpec(url=args.store, endpoint_url=args.endpoint_url)
-            if not args.control_public_key:
+            if args.unauthenticated:
+                spec = RunSpec.model_validate(run_store(store_spec, args.run_id).get_json(layout.SPEC))
+                if spec.signing is not None:
+                    raise SpecError("its stored spec has signing keys: pin its control key with --control-public-key")
+            elif not args.control_public_key:
                 print(f"error: cannot resume {args.run_id} from --store alone: its spec.json is trusted only when "
                       "it verifies against the control plane's public key; pass --control-public-key KEY (the "
-                      "spec's signing.public_key, as the run's failure message prints it), or the spec file with "
-                      "--config", file=sys.stderr)
+                      "spec's signing.public_key, as the run's failure message prints it), the spec file with "
+                      "--config, or --unauthenticated for a run without keys", file=sys.stderr)
                 return 2
-            spec = stored_spec(store_spec, args.run_id, args.control_public_key)
-            with_pinned_host_keys(spec)
+            else:
+                spec = stored_spec(store_spec, args.run_id, args.control_public_key)
+                with_pinned_host_keys(spec)
     except (StoreError, ValueError, OSError) as err:  # ValueError: pydantic's and SpecError, for bad input
         print(f"error: cannot resume {args.run_id}: {err}", file=sys.stderr)
         return 2

@@ -352,7 +352,7 @@ def test_a_second_lifecycle_is_refused_while_the_run_is_held_and_accepted_once_t
 
     spec, run_id, _, _ = finished_run
     store = run_store(spec.store, run_id)
-    command = ["resume", run_id, "--store", spec.store.url]
+    command = ["resume", run_id, "--store", spec.store.url, "--unauthenticated"]  # a run without keys
 
     RunLease.acquire(store, run_id, this_process(**{"flow run": "dead-one"}), ttl_s=0.5)
     time.sleep(0.6)  # it never renews nor releases: its process is gone

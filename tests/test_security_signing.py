@@ -59,6 +59,8 @@ def test_resume_from_a_store_takes_its_spec_only_against_the_pinned_control_key(
         CONTROL, Ed25519PrivateKey.from_private_bytes(base64.b64decode(private))))
     run_store(spec.store, "own-keys", theirs).put_json(
         layout.SPEC, spec.model_dump(mode="json") | {"signing": {**spec.signing.model_dump(), "public_key": public}})
+    assert main(["resume", "r", "--store", url, "--unauthenticated"]) == 2  # the run has keys: pin them
+    assert "its stored spec has signing keys: pin its control key" in capsys.readouterr().err
     for run_id, why in [("swapped", "not signed"), ("island-signed", "signed by a writer that may not write it"),
                         ("own-keys", "its signature does not verify")]:
         assert main(["resume", run_id, "--store", url, "--control-public-key", key]) == 2, run_id
