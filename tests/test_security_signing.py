@@ -124,3 +124,14 @@ def test_a_spec_cannot_send_a_workers_tracker_token_to_a_host_it_names(monkeypat
             open_sink(TrackingSpec(backend="wandb", uri=named), "run", "run-1", "east")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", named + "/")
     check_endpoint(TrackingSpec(backend="mlflow", uri=named))  # the worker's own server: allowed
+
+
+def test_no_island_may_take_the_control_planes_writer_name(tmp_path):
+    """An island named `control` would sign with the control plane's key (one key file, one writer name)."""
+    from infra.spec import SpecError, parse_spec
+    from tests.test_spec import demo_raw
+
+    raw = demo_raw()
+    raw["islands"][1]["name"] = CONTROL
+    with pytest.raises(SpecError, match="'control' names the control plane's writer"):
+        parse_spec(raw)

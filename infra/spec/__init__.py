@@ -20,6 +20,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
 
+from infra.authority import CONTROL
 from infra.objects import canonical_json, sha256
 from infra.spec.base import MAX_ISLANDS, MAX_LEARNER_PROCESSES, MAX_LIST, SEED_LIMIT, SpecModel
 from infra.spec.data import DataSpec
@@ -103,6 +104,8 @@ class RunSpec(SpecModel):
         names = [i.name for i in self.islands]
         if len(set(names)) != len(names):
             raise ValueError(f"island names must be unique, got {names}")
+        if CONTROL in names:
+            raise ValueError(f"islands: {CONTROL!r} names the control plane's writer (its signing key), not an island")
         learners = sum(i.learners for i in self.islands)
         for n, fault in enumerate(self.faults):
             if getattr(fault, "learner", 0) >= learners:
