@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from infra import layout
-from infra.local_keys import KEYS_DIR_ENV
+from infra.local_keys import KEYS_DIR_ENV, SIGNING_KEY_PREFIX
 from infra.seaweed import seaweed_server
 from infra.spec import parse_spec
 from infra.store import ObjectStore
@@ -87,6 +87,15 @@ def data_root(tmp_path_factory):
         # The keys `archipelago run`, `serve` and `deploy` sign a spec without its own with: this session's.
         patch.setenv(KEYS_DIR_ENV, str(tmp_path_factory.getbasetemp() / "keys"))
         yield root
+
+
+@pytest.fixture(autouse=True)
+def no_signing_key_left_behind():
+    """`archipelago run` in a test's process puts this host's signing keys in its environment: they go with the test."""
+    before = {name for name in os.environ if name.startswith(SIGNING_KEY_PREFIX)}
+    yield
+    for name in [name for name in os.environ if name.startswith(SIGNING_KEY_PREFIX) and name not in before]:
+        del os.environ[name]
 
 
 @pytest.fixture(scope="session")

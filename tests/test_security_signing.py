@@ -135,3 +135,12 @@ def test_no_island_may_take_the_control_planes_writer_name(tmp_path):
     raw["islands"][1]["name"] = CONTROL
     with pytest.raises(SpecError, match="'control' names the control plane's writer"):
         parse_spec(raw)
+
+
+def test_the_demo_config_dry_runs_signed_with_keys_made_outside_the_data_root(tmp_path, monkeypatch, capsys):
+    """`make demo`'s spec as `archipelago run` takes it: keys made for it, the signing sections filled in."""
+    monkeypatch.setenv(KEYS_DIR_ENV, str(tmp_path / "keys"))
+    assert main(["run", "configs/demo.yaml", "--dry-run", "--set", f"store.url={tmp_path / 'store'}"]) == 0
+    assert "dry run: every check passed" in capsys.readouterr().out
+    assert sorted(path.name for path in (tmp_path / "keys" / "demo").iterdir()) == ["control.key", "east.key",
+                                                                                     "west.key"]
