@@ -160,7 +160,7 @@ def load_spec_or_say_why(path: str, purpose: Literal["train", "plan"] = "train",
 
     try:
         raw = load_raw_spec(path, overrides)
-        return parse_spec(with_host_keys(raw, sign=host_keys == "sign")[0] if host_keys else raw, purpose)
+        return parse_spec(with_host_keys(raw, sign=host_keys == "sign") if host_keys else raw, purpose)
     except (SpecError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return None
@@ -196,7 +196,7 @@ def resume(args: argparse.Namespace) -> int:
 
     try:
         if args.config:
-            spec = parse_spec(with_host_keys(load_raw_spec(args.config, args.overrides))[0])
+            spec = parse_spec(with_host_keys(load_raw_spec(args.config, args.overrides)))
             stored = open_run(spec, args.run_id, writer=None).get_json(layout.SPEC)
             if spec_sha256(stored) != spec_sha256(spec):
                 print(f"error: cannot resume {args.run_id}: its store holds another spec than {args.config}",

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from infra.authority import CONTROL, generate_keypair, public_key_from_private
+from infra.authority import CONTROL, generate_keypair, public_key_from_private, signing_section
 
 KEYS_DIR_ENV = "ARCHIPELAGO_KEYS_DIR"
 SIGNING_KEY_PREFIX = "ARCHIPELAGO_SIGNING_KEY_"
@@ -58,12 +58,12 @@ def signing_of(folder: Path, writer: str) -> tuple[dict, str]:
     return {"public_key": public_key_from_private(private), "private_key_env": private_key_env(writer)}, private
 
 
-def with_host_keys(raw: dict, sign: bool = True) -> tuple[dict, Path | None]:
+def with_host_keys(raw: dict, sign: bool = True) -> dict:
     """`raw` (a spec's YAML, not yet validated) with the signing sections of this host's keys for its
     spec name and, to `sign`, every writer's private key put in this process's environment, which its
-    learners inherit only their own island's of (infra/supervision.py); and the keys' folder. Unchanged (and None)
-    when the spec has keys, says `unauthenticated: true`, or its names are not ones the spec allows
-    (validation then says why)."""
+    learners inherit only their own island's of (infra/supervision.py). Unchanged when the spec has
+    keys, says `unauthenticated: true`, or its names are not ones the spec allows (validation then
+    says why)."""
     islands = raw.get("islands")
     name = raw.get("name", "archipelago")
     if raw.get("signing") is not None or raw.get("unauthenticated") or not isinstance(islands, list) \
@@ -71,23 +71,21 @@ def with_host_keys(raw: dict, sign: bool = True) -> tuple[dict, Path | None]:
                        for i in islands) \
             or any(i.get("signing") is not None for i in islands) or not isinstance(name, str) \
             or not _NAME.fullmatch(name):
-        return raw, None
-    root = owner_only_folder(keys_root())
-    folder = owner_only_folder(root / name)
+        return raw
+    owner_only_folder(keys_root())
+    folder = owner_only_folder(keys_root() / name)
     sections = {}
     for writer in [CONTROL, *(i["name"] for i in islands)]:
         sections[writer], private = signing_of(folder, writer)
         if sign:
             os.environ[sections[writer]["private_key_env"]] = private
     return {**raw, "signing": sections[CONTROL],
-            "islands": [{**island, "signing": sections[island["name"]]} for island in islands]}, folder
+            "islands": [{**island, "signing": sections[island["name"]]} for island in islands]}
 
 
 def with_pinned_host_keys(spec) -> None:
     """Put in this process's environment the private keys this host keeps for `spec`'s writers whose
     variables are unset, each only when its public key is the one the spec names (a resume from a store)."""
-    from infra.authority import signing_section
-
     folder = keys_root() / spec.name
     for writer in [CONTROL, *(i.name for i in spec.islands)]:
         section, path = signing_section(spec, writer), folder / f"{writer}.key"
