@@ -2,6 +2,8 @@
 that are not finite or lie far from the others are left out of the consolidated model, and a peer's
 messages inside every fixed bound are clipped to what the pair agreed and to the peer's recent steps."""
 
+import threading
+
 import pytest
 import torch
 
@@ -101,3 +103,37 @@ def test_one_bad_member_of_a_mean_is_clipped_to_the_median_members(two_learner_r
     if mode == "allreduce":
         anchors = [learner.exchanger.anchors() for learner in attacked[:3]]
         assert all(torch.equal(anchors[0], other) for other in anchors[1:])  # the honest members still agree
+
+
+def test_a_restart_beside_a_clipped_partner_continues_exactly(two_learner_run):
+    """The pair's records (agreed anchor, recent step, clip counts) travel in the checkpoint: learner 0
+    restarted after round 1 clips round 2's message as the uninterrupted run did, bit for bit."""
+    def pair(run_id):
+        spec, store = two_learner_run("restart", layers=1, inner_steps=2, run_id=run_id, rounds=3,
+                                      partner_timeout_s=5, training={"checkpoint_every": 1})
+        learners = [Learner(spec, store, i) for i in range(2)]
+        for learner in learners:
+            learner.resume()
+        honest_publish = learners[1].exchanger.publish
+        learners[1].exchanger.publish = lambda t, anchor, delta: honest_publish(t, 1.45 * anchor, -9.5 * delta)
+        return spec, store, learners
+
+    _, _, straight = pair("straight")
+    run_both(straight)
+    spec, store, interrupted = pair("interrupted")
+    rounds = lambda learner, ts: threading.Thread(target=lambda: [learner.run_round(t) for t in ts])  # noqa: E731
+    threads = [rounds(learner, range(2)) for learner in interrupted]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    again = Learner(spec, store, 0)
+    again.resume()
+    threads = [rounds(again, [2]), rounds(interrupted[1], [2])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert torch.equal(flat_parameters(again.model), flat_parameters(straight[0].model))
+    assert again.exchanger.applied_influence.report() == straight[0].exchanger.applied_influence.report()
+    assert again.exchanger.applied_influence.report()["1"]["clipped"] == 3
