@@ -45,7 +45,7 @@ def test_state_round_trips_through_safetensors_and_json(name):
 def test_the_symmetric_inverse_root_is_the_svd_s(batch):
     from pytorch_optimizer.optimizer.utils.matrix import compute_power_svd
 
-    from training.exchange.outer import symmetric_inverse_root
+    from training.exchange.shampoo import symmetric_inverse_root
     g = torch.randn(*batch, 48, 20, generator=torch.Generator().manual_seed(0))
     statistics = g @ g.mT + 1e-3 * torch.eye(48)  # rank-deficient before the ridge, as Shampoo's are
     root = symmetric_inverse_root(statistics, 4)
