@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -212,10 +213,11 @@ def _stop(proc: subprocess.Popen[bytes], ports: Sequence[int]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    # weed puts unix sockets named after its ports in /tmp (not configurable for
-    # gRPC) and leaves some behind, especially when killed.
+    # weed puts unix sockets named after its ports in the system's temporary folder (Go's os.TempDir,
+    # TMPDIR as Python's gettempdir reads it; not configurable for gRPC) and leaves some behind,
+    # especially when killed.
     for port in ports:
-        for sock in pathlib.Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+        for sock in pathlib.Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
             sock.unlink(missing_ok=True)
 
 
