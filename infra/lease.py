@@ -45,7 +45,7 @@ from pathlib import Path
 
 import psutil
 
-from infra.store import IntegrityError, ObjectExists, ObjectStore, StoreError
+from infra.store import IntegrityError, ObjectExists, ObjectMissing, ObjectStore, StoreError
 
 LEASE_TTL_S = 120.0
 # A learner started under a term looks this often whether a newer term has taken the run.
@@ -61,8 +61,9 @@ RENEW_EVERY_S = 30.0
 # failed renewal is retried; after a second the run's work stops with 60 s left.
 STOP_MARGIN_S = 60.0
 
-_CLAIM = re.compile(r"^lease/(\d{6})/claim\.json$")
-_RENEWAL = re.compile(r"^lease/\d{6}/renewal-(\d{6})\.json$")
+# Numbers have six digits or more: a term or renewal past a planted 999999 is still one.
+_CLAIM = re.compile(r"^lease/(\d{6,})/claim\.json$")
+_RENEWAL = re.compile(r"^lease/(\d{6,})/renewal-(\d{6,})\.json$")
 
 
 def claim_key(term: int) -> str:
@@ -159,40 +160,75 @@ def _expiry(record: dict, now: datetime) -> datetime:
     return moment
 
 
-def _read_term(store: ObjectStore, term: int, now: datetime | None = None) -> _Term | None:
-    """A term of the lease as its records say, or None when its claim does not verify or does not read
-    as a claim (counted as refused): a record the store holds is no lease unless its holder wrote it."""
-    now = now or _now()
-    keys = store.list(f"lease/{term:06d}")
+def _record(store: ObjectStore, key: str, refused: set[str], check=lambda record: record) -> dict | None:
+    """A lease record that verifies and passes `check` (ValueError otherwise), or None. A record refused
+    once is remembered in `refused` and never read again by the same reader: junk costs one read."""
+    if key in refused:
+        return None
     try:
-        claim = store.get_json(claim_key(term), max_bytes=LEASE_RECORD_MAX_BYTES)
-        expires_at = _expiry(claim, now)
-        if not isinstance(claim.get("holder"), dict) or not isinstance(claim.get("claimed_at"), str):
-            raise ValueError("a claim names its holder and when it claimed")
-        renewals = [int(m.group(1)) for m in map(_RENEWAL.match, keys) if m]
-        if renewals:
-            expires_at = max(expires_at, _expiry(store.get_json(renewal_key(term, max(renewals)),
-                                                                max_bytes=LEASE_RECORD_MAX_BYTES), now))
+        return check(store.get_json(key, max_bytes=LEASE_RECORD_MAX_BYTES))
+    except ObjectMissing:
+        return None
     except IntegrityError:
-        return None
+        refused.add(key)
     except ValueError:
-        store.refused(claim_key(term))
+        store.refused(key)
+        refused.add(key)
+    return None
+
+
+def _claim(record: dict, now: datetime) -> dict:
+    _expiry(record, now)
+    if not isinstance(record.get("holder"), dict) or not isinstance(record.get("claimed_at"), str):
+        raise ValueError("a claim names its holder and when it claimed")
+    return record
+
+
+def _renewal(record: dict, now: datetime) -> dict:
+    _expiry(record, now)
+    return record
+
+
+def _renewals(keys: list[str], term: int) -> list[int]:
+    """The renewal numbers of `term` among the lease's keys, oldest first."""
+    return sorted(int(m.group(2)) for m in map(_RENEWAL.match, keys) if m and int(m.group(1)) == term)
+
+
+def _read_term(store: ObjectStore, term: int, keys: list[str], refused: set[str],
+               now: datetime | None = None) -> _Term | None:
+    """A term of the lease as its records (among the lease's listed `keys`) say, or None when its claim does
+    not verify or does not read as a claim (counted as refused): a record the store holds is no lease
+    unless its holder wrote it. Its expiry is its newest renewal that verifies, and it is released only
+    by a `released.json` that verifies."""
+    now = now or _now()
+    claim = _record(store, claim_key(term), refused, lambda record: _claim(record, now))
+    if claim is None:
         return None
-    return _Term(term, claim, expires_at, released_key(term) in keys)
+    expires_at = _expiry(claim, now)
+    for renewal in reversed(_renewals(keys, term)):
+        record = _record(store, renewal_key(term, renewal), refused, lambda record: _renewal(record, now))
+        if record is not None:
+            expires_at = max(expires_at, _expiry(record, now))
+            break
+    released = released_key(term) in keys and _record(store, released_key(term), refused) is not None
+    return _Term(term, claim, expires_at, released)
 
 
-def _terms(store: ObjectStore) -> list[int]:
-    return sorted(int(m.group(1)) for m in map(_CLAIM.match, store.list("lease")) if m)
+def _terms(keys: list[str]) -> list[int]:
+    return sorted(int(m.group(1)) for m in map(_CLAIM.match, keys) if m)
 
 
-def _newest_term(store: ObjectStore, terms: list[int]) -> _Term | None:
-    """The newest of the listed `terms` whose records read as a lease; terms planted past it are skipped."""
-    return next((read for term in reversed(terms) if (read := _read_term(store, term)) is not None), None)
+def _newest_term(store: ObjectStore, keys: list[str], refused: set[str], after: int = -1) -> _Term | None:
+    """The newest term past `after` among the lease's listed `keys` whose records read as a lease; terms
+    planted past it are skipped, each read once by a reader that keeps its `refused` set."""
+    return next((read for term in reversed(_terms(keys)) if term > after
+                 and (read := _read_term(store, term, keys, refused)) is not None), None)
 
 
-def newest_term_number(store: ObjectStore) -> int | None:
-    """The term of the run's newest lease that reads as one; None before the first claim."""
-    newest = _newest_term(store, _terms(store))
+def newest_term_number(store: ObjectStore, refused: set[str] | None = None) -> int | None:
+    """The term of the run's newest lease that reads as one; None before the first claim. `refused`: the
+    records this reader found not to verify before, kept between its looks."""
+    newest = _newest_term(store, store.list("lease"), set() if refused is None else refused)
     return None if newest is None else newest.term
 
 
@@ -205,6 +241,7 @@ class LeaseFence:
     def __init__(self, store: ObjectStore, term: int, what: str, every_s: float = FENCE_EVERY_S,
                  end: Callable[[int], None] = os._exit):
         self.store, self.term, self.what, self.every_s, self.end = store, term, what, every_s, end
+        self._refused: set[str] = set()
         self._thread = threading.Thread(target=self._watch, name="lease-fence", daemon=True)
 
     def start(self) -> "LeaseFence":
@@ -214,7 +251,7 @@ class LeaseFence:
     def _watch(self) -> None:
         while True:
             try:
-                newest = newest_term_number(self.store)
+                newest = newest_term_number(self.store, self._refused)
             except StoreError:
                 newest = None
             if newest is not None and newest > self.term:
@@ -232,7 +269,8 @@ class RunLease:
                  taken_from: str | None = None):
         self.store, self.run_id, self.term, self.ttl_s = store, run_id, term, ttl_s
         self.expires_at = expires_at
-        self.renewals = 0
+        self.renewals = 0  # the number of this holder's newest renewal
+        self._refused: set[str] = set()  # lease records this holder found not to verify
         # The previous term's holder, when this lease took the run from a holder that is gone before its expiry.
         self.taken_from = taken_from
 
@@ -246,8 +284,9 @@ class RunLease:
         now = _now()
         # One listing decides both: with a second one, a claim landing between them would be seen by the
         # second alone, and this lifecycle would take the term after a live one.
-        terms = _terms(store)
-        newest = _newest_term(store, terms)
+        keys = store.list("lease")
+        terms = _terms(keys)
+        newest = _newest_term(store, keys, set())
         taken_from = None
         if newest is not None and newest.live(now):
             if not newest.holder_gone():
@@ -261,22 +300,29 @@ class RunLease:
             store.put_json(claim_key(term), {"holder": holder, "claimed_at": _stamp(now),
                                              "expires_at": _stamp(expires_at), "nonce": uuid.uuid4().hex})
         except ObjectExists:
-            taken = _read_term(store, term)
+            taken = _read_term(store, term, store.list("lease"), set())
             raise LeaseHeld(taken.describe(run_id) if taken else f"run {run_id}: lease term {term} was taken while "
                             "this lifecycle claimed it; try again") from None
         return cls(store, run_id, term, ttl_s, expires_at, taken_from)
 
     def renew(self) -> None:
-        """Push the expiry out by the lease's lifetime, as a new object; `LeaseLost` if the run was taken."""
-        taken = _newest_term(self.store, [term for term in _terms(self.store) if term > self.term])
+        """Push the expiry out by the lease's lifetime, as a new object; `LeaseLost` if the run was taken.
+        One listing, and a read of each record past this term not read before: junk claims cost one read
+        each, once. A renewal whose key is taken goes past every listed one."""
+        keys = self.store.list("lease")
+        taken = _newest_term(self.store, keys, self._refused, after=self.term)
         if taken is not None:
             taker = taken.claim
             raise LeaseLost(f"run {self.run_id}: this lifecycle's lease (term {self.term}) expired at "
                             f"{_stamp(self.expires_at)} and was taken by {taker['holder']} at {taker['claimed_at']}")
-        expires_at = _now() + timedelta(seconds=self.ttl_s)
-        self.store.put_json(renewal_key(self.term, self.renewals + 1), {"expires_at": _stamp(expires_at)})
-        self.renewals += 1
-        self.expires_at = expires_at
+        expires_at, number = _now() + timedelta(seconds=self.ttl_s), self.renewals + 1
+        while True:
+            try:
+                self.store.put_json(renewal_key(self.term, number), {"expires_at": _stamp(expires_at)})
+                break
+            except ObjectExists:
+                number = max([number, *_renewals(self.store.list("lease"), self.term)]) + 1
+        self.renewals, self.expires_at = number, expires_at
 
     def release(self) -> None:
         self.store.put_json(released_key(self.term), {"released_at": _stamp(_now())})

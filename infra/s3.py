@@ -42,6 +42,19 @@ def is_create_conflict(error: OSError) -> bool:
             or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 412)
 
 
+def read_at_most(fs, path: str, nbytes: int | None, **options) -> bytes:
+    """An object's first `nbytes` bytes (all of them with None); `options` go to `cat_file`. S3 refuses a
+    ranged read of an empty object (416, "range not satisfiable"): it holds no bytes, and reads as none."""
+    if nbytes is None:
+        return fs.cat_file(path, **options)
+    try:
+        return fs.cat_file(path, start=0, end=nbytes, **options)
+    except OSError as err:
+        if type(err) is not OSError or "range is not satisfiable" not in str(err):
+            raise
+        return b""
+
+
 def require_aws_credentials() -> None:
     """Fail at once, by name, when the standard AWS chain finds no credentials at all.
 

@@ -35,7 +35,7 @@ from infra.faults import FaultInjectingFileSystem, StoreFaults
 from infra.objects import (JSON_MAX_BYTES, KEY_SEGMENT, ObjectRef, canonical_json, json_document, parse_store_url,
                            sha256, validate_key, verified_envelope)
 from infra.retry import RetryPolicy, StoreUnavailable, call_with_retry, calls_end_by, within_calls_deadline
-from infra.s3 import SINGLE_PUT_MAX_BYTES, each_attempt_within, is_create_conflict, s3_filesystem
+from infra.s3 import SINGLE_PUT_MAX_BYTES, each_attempt_within, is_create_conflict, read_at_most, s3_filesystem
 from infra.store_errors import IntegrityError, ObjectExists, ObjectMissing, ObjectTooLarge, StoreError
 
 # A poll gets at least this long to answer, so that a wait with no time left still looks once.
@@ -200,10 +200,10 @@ class ObjectStore:
                   max_bytes: int | None = None) -> bytes:
         """Read an object of at most `max_bytes` (ObjectTooLarge beyond); with a checksum, re-read a
         damaged transfer a few times before giving up."""
-        limit = {} if max_bytes is None else {"start": 0, "end": max_bytes + 1}
         for attempt in range(3):
             try:
-                data = self._call(f"get {key} from", self.fs.cat_file, self._path(key), policy=policy, **limit)
+                data = self._call(f"get {key} from", read_at_most, self.fs, self._path(key),
+                                  None if max_bytes is None else max_bytes + 1, policy=policy)
             except FileNotFoundError:
                 raise ObjectMissing(f"object {key} not found in {self.url}") from None
             except PermissionError:

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from infra import layout
-from infra.authority import CONTROL
+from infra.authority import CONTROL, Authority
+from infra.lease import LeaseHeld, RunLease, claim_key, released_key, renewal_key
 from infra.objects import canonical_json, sha256
-from infra.store import ObjectStore, Unauthenticated
+from infra.store import ObjectExists, ObjectStore, Unauthenticated
 from infra.stores import RunStores
 from training.learner.ledger import Ledger, finished, read_summaries
 from training.learner.retention import Retention
@@ -86,3 +87,76 @@ def test_junk_summaries_keep_no_learner_from_finishing(signed_run):
     assert finished(RunStores(spec, store_of(CONTROL)), spec, 1)
     assert [s.learner for s in read_summaries(spec, store_of(CONTROL))] == [0, 1]
     assert store_of(CONTROL).exists(layout.learner_summary(1, 6))  # past every squatted slot
+
+
+class CountingFileSystem:
+    """The store's filesystem, counting the calls made through it (each a request, a listing a page or more)."""
+
+    def __init__(self, fs):
+        self.fs, self.calls = fs, 0
+
+    def __getattr__(self, name):
+        attribute = getattr(self.fs, name)
+        if not callable(attribute):
+            return attribute
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return attribute(*args, **kwargs)
+        return counted
+
+
+@pytest.fixture(params=["local", "s3"])
+def lease_store(request, signed_run, tmp_path):
+    """`of(writer)`: the run's prefix in a local folder or on SeaweedFS, as `writer` signs (None: no key),
+    its calls counted in `of.fs`."""
+    spec, _ = signed_run
+    if request.param == "local":
+        url = str(tmp_path / "leases")
+    else:
+        request.getfixturevalue("s3_env")
+        url = f"s3://archipelago/test_security_squatting/{tmp_path.name}"
+
+    def of(writer):
+        root = ObjectStore(url, authority=None if writer is None else Authority.of(spec, writer))
+        root.fs = root._shared.fs = CountingFileSystem(root.fs)
+        return root.child("runs/r")
+    return of
+
+
+def test_a_planted_release_frees_no_live_run(lease_store):
+    holder = RunLease.acquire(lease_store(CONTROL), "r", {"who": "us"})
+    lease_store(None).put_bytes(released_key(holder.term), b"")  # empty and unsigned
+    with pytest.raises(LeaseHeld):
+        RunLease.acquire(lease_store(CONTROL), "r", {"who": "second"})
+    with pytest.raises(ObjectExists):  # the squatted key costs the release: the lease expires instead
+        holder.release()
+
+
+def test_junk_renewals_block_no_renewal_and_expire_no_live_lease(lease_store):
+    holder = RunLease.acquire(lease_store(CONTROL), "r", {"who": "us"})
+    for number in (1, 2, 999999):  # the next renewal keys, and one far past them
+        lease_store("a").put_json(renewal_key(holder.term, number), {"expires_at": "2000-01-01T00:00:00+00:00"})
+    holder.renew()
+    assert holder.renewals == 1000000
+    with pytest.raises(LeaseHeld):
+        RunLease.acquire(lease_store(CONTROL), "r", {"who": "second"})
+    holder.renew()
+    assert holder.renewals == 1000001
+
+
+def test_junk_claims_cost_a_renewal_one_read_each_once(lease_store):
+    store = lease_store(CONTROL)
+    holder = RunLease.acquire(store, "r", {"who": "us"})
+    junk, claims = lease_store(None), 2000
+    for term in range(holder.term + 1, holder.term + 1 + claims):
+        junk.put_bytes(claim_key(term), b"{}")
+    counter = store._shared.fs
+    before = counter.calls
+    holder.renew()  # reads each planted claim once
+    first = counter.calls - before
+    before = counter.calls
+    holder.renew()
+    second = counter.calls - before
+    assert first <= claims + 4 and second <= 4, (first, second)
+    assert store.stats["refused"]["lease"] == claims
