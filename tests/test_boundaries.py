@@ -51,3 +51,39 @@ def test_benchmarks_import_no_experiment_and_no_campaign_imports_another():
     for campaign in campaigns:
         for path, names in importing((f"experiments/{campaign}",), "experiments").items():
             assert all(name.startswith(f"experiments.{campaign}") for name in names), (path, names)
+
+
+# What sits below what inside training/: a package imports only its own kind and those listed.
+TRAINING_LAYERS = {"events": set(), "data": set(), "model": {"data"}, "exchange": {"events"},
+                   "learner": {"events", "data", "model", "exchange"}}
+MODES = ("butterfly", "allreduce", "hierarchical", "Butterfly", "AllReduce", "Hierarchical")
+
+
+def test_no_product_module_is_over_400_lines():
+    long = {str(p.relative_to(ROOT)): n for folder in PRODUCT for p in (ROOT / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}
+
+
+def test_no_package_of_training_imports_one_above_it():
+    for package, below in TRAINING_LAYERS.items():
+        folder = ROOT / "training" / package
+        paths = [folder.with_suffix(".py")] if folder.with_suffix(".py").exists() else sorted(folder.rglob("*.py"))
+        for path in paths:
+            used = {name.split(".")[1] for name in imports(path) if name.startswith("training.")}
+            assert used <= below | {package}, (str(path.relative_to(ROOT)), used - below - {package})
+
+
+def test_only_the_modes_module_tells_one_sync_mode_from_another():
+    """Code asks the run's mode object (training/exchange/modes.py); the spec's schema alone names them."""
+    allowed = {"training/exchange/modes.py", "infra/spec/sync.py"}
+    for folder in PRODUCT:
+        for path in (ROOT / folder).rglob("*.py"):
+            if str(path.relative_to(ROOT)) in allowed:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+                    assert not any(isinstance(n, ast.Name) and n.id in MODES for n in ast.walk(node)), path
+                if isinstance(node, ast.Compare):
+                    constants = {n.value for n in ast.walk(node) if isinstance(n, ast.Constant)}
+                    assert not constants & set(MODES), (str(path.relative_to(ROOT)), node.lineno)
