@@ -28,7 +28,7 @@ from infra.spec import RunSpec
 from infra.stores import open_run
 from infra.supervision import stop_learners
 from tasks.credentials import load_credential_blocks
-from tasks.data import prepare_data
+from tasks.data import prepare_data_once
 from tasks.evaluation import evaluate_curve_points, evaluate_models, publish_figures, publish_report
 from tasks.planning import check_memory
 from tasks.results import RESULT_SERIALIZER, RecordSigning, result_storage
@@ -56,7 +56,7 @@ def lifecycle(spec: RunSpec, run_id: str | None = None,
         try:
             start_run(spec, run_id)
             publish_tracker_link(spec, run_id)
-            prepare_data(spec, run_id)
+            prepare_data_once(spec, run_id)
             if islands_via == "deployments":
                 segments = [island_segments.submit(spec, run_id, island.name, lease.term) for island in spec.islands]
             else:

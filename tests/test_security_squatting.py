@@ -160,3 +160,25 @@ def test_junk_claims_cost_a_renewal_one_read_each_once(lease_store):
     second = counter.calls - before
     assert first <= claims + 4 and second <= 4, (first, second)
     assert store.stats["refused"]["lease"] == claims
+
+
+def test_a_deleted_manifest_is_written_again_by_a_resumed_prepare_data(signed_run, prefect_api, tmp_path):
+    from prefect import flow
+
+    from tasks.data import data_in_store, prepare_data_once
+
+    spec, store_of = signed_run
+    spec = spec.model_copy(update={"store": spec.store.model_copy(update={"url": str(tmp_path / "fresh")})})
+
+    @flow
+    def lifecycle_data():
+        return prepare_data_once(spec, "r")
+
+    lifecycle_data()
+    store = ObjectStore(spec.store.url).child("runs/r")
+    assert data_in_store(spec, "r")
+    for path in (tmp_path / "fresh" / "runs" / "r" / "data").rglob("manifest.json"):
+        path.unlink()  # a deletion in the store: the stage's result record still says it ran
+    assert not data_in_store(spec, "r")
+    lifecycle_data()
+    assert data_in_store(spec, "r") and store.exists(layout.DATA_MANIFEST)
