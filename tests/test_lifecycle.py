@@ -33,8 +33,11 @@ def test_lifecycle_on_s3_with_a_torchrun_learner(mode, s3_env, prefect_api):
     from flows.lifecycle import run_lifecycle
     from training.stages import new_run_id
 
-    # Every message is kept (keep_checkpoints empty): the byte counts below are recomputed from them.
-    spec = parse_spec({**TINY, "training": {**TINY["training"], "keep_checkpoints": None}, "sync": {**TINY["sync"], "mode": mode}})
+    # Every message is kept (keep_checkpoints empty): the byte counts below are recomputed from them. Every
+    # learner takes the whole outer step, so each reads its peers' round messages (test_sharded_outer.py
+    # counts a sharded step's reads).
+    spec = parse_spec({**TINY, "training": {**TINY["training"], "keep_checkpoints": None},
+                       "sync": {**TINY["sync"], "mode": mode, "shard_outer_step": False}})
     report = run_lifecycle(spec, new_run_id(spec))
 
     assert set(report["evals"]) == {"prose", "code"}

@@ -2,7 +2,6 @@
 strict records and restores, bounded reads, messages that cannot poison a mix."""
 
 import json
-import threading
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from training.exchange.plan import message_key
 from training.model.params import flat_parameters
 from training.learner.retention import Retention
 from training.learner.state import CheckpointRejected, Lives
+from tests.learners import run_both
 from tests.corpora import corpus_folder
 
 
@@ -233,11 +233,9 @@ def test_a_signed_run_trains_and_its_exchanges_verify_beside_a_squatted_summary(
     spec, store_of = signed_run
     store_of("a").put_json(layout.learner_summary(1), {"learner": 1, "island": "b"})  # a's key, b's learner
     learners = [learner(spec, store_of, i) for i in range(2)]
-    threads = [threading.Thread(target=lambda one=one: (one.resume(), one.run())) for one in learners]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    for one in learners:
+        one.resume()
+    run_both(learners)
     for one in learners:
         assert one.ledger.missed_exchanges == [] and len(one.ledger.rounds) == spec.sync.rounds
     assert finished(RunStores(spec, store_of(CONTROL)), spec, 1)

@@ -4,7 +4,6 @@ counts only what verifies, a writer still finds a name to write, and the work a 
 is bounded."""
 
 import json
-import threading
 import tracemalloc
 
 import pytest
@@ -19,6 +18,7 @@ from infra.stores import RunStores
 from training.learner.ledger import Ledger, finished, read_summaries
 from training.learner.retention import Retention
 from training.learner.state import Checkpointer, Lives, choose_resume_point
+from tests.learners import run_both
 from tests.test_security_authority import learner, signed_run  # noqa: F401 - the fixture
 
 
@@ -79,11 +79,9 @@ def test_junk_summaries_keep_no_learner_from_finishing(signed_run):
         writer = unsigned(spec) if slot % 2 else store_of("a")
         writer.put_json(layout.learner_summary(1, slot), {"learner": 1, "island": "b"})
     learners = [learner(spec, store_of, i) for i in range(2)]
-    threads = [threading.Thread(target=lambda one=one: (one.resume(), one.run())) for one in learners]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    for one in learners:
+        one.resume()
+    run_both(learners)
     assert finished(RunStores(spec, store_of(CONTROL)), spec, 1)
     assert [s.learner for s in read_summaries(spec, store_of(CONTROL))] == [0, 1]
     assert store_of(CONTROL).exists(layout.learner_summary(1, 6))  # past every squatted slot

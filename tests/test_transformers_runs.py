@@ -12,7 +12,8 @@ import yaml
 
 from flows.cli import main
 from infra import layout
-from infra.spec import load_spec
+from infra.local_keys import with_host_keys
+from infra.spec import load_spec, parse_spec
 from infra.store import run_store
 from tests.corpora import corpus_folder
 from tests.test_lifecycle import TINY
@@ -63,7 +64,9 @@ def test_a_transformers_model_trains_across_islands_to_its_report(name, baseline
     assert 256 < spec.vocab_size <= 513
     assert (compute["parameters_active"] < compute["parameters_total"]) == (name == "mixtral")
     # The learners' counted exchange bytes are the planner's, link class by link class.
-    planned = plan_run(spec, {"east": 0.01, "west": 0.01}, 1e18)["exchange_bytes"]
+    # The run signed with this host's keys (`run` gives a spec without keys them): so does its plan.
+    signed = parse_spec(with_host_keys(yaml.safe_load(config.read_text()), sign=False))
+    planned = plan_run(signed, {"east": 0.01, "west": 0.01}, 1e18)["exchange_bytes"]
     assert report["communication"]["inter_island_bytes"] == planned["inter"] > 0
     assert report["communication"]["intra_island_bytes"] == planned["intra"] > 0
     if name == "llama":
