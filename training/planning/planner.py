@@ -110,6 +110,7 @@ class MessageSizes:
     fragment, per learner (a hierarchical crossing's carry a learner's slice of the fragment)."""
 
     bytes: dict[str, list[list[int]]]
+    mode: SyncMode  # whose messages they are: the plan replays its phases
 
     @classmethod
     def of(cls, spec: RunSpec, mode: SyncMode) -> "MessageSizes":
@@ -122,7 +123,7 @@ class MessageSizes:
         # Every learner's round message of a fragment is sized as learner 0's of round 0: theirs differ
         # only in a few characters of their commits.
         sizes[ROUND] = [[message_bytes(spec, size)] * mode.topology.learners for size in mode.fragment_sizes]
-        return cls(sizes)
+        return cls(sizes, mode)
 
 
 def message_requests(spec: RunSpec, nbytes: int) -> int:
@@ -154,9 +155,9 @@ def replay(spec: RunSpec, step_seconds: dict[str, float], link_bps: float,
     """Every learner's rounds on this link: when each computes, waits and finishes; with capacity
     windows, each computes only inside its island's (`training.planning.windows`)."""
     slots = spec.learners
-    settings, mode = spec.sync.transport, sync_mode(spec, fragment_parameters(spec))
+    sizes = sizes or MessageSizes.of(spec, sync_mode(spec, fragment_parameters(spec)))
+    settings, mode = spec.sync.transport, sizes.mode
     links_of = [mode.topology.links(s.index) for s in slots]
-    sizes = sizes or MessageSizes.of(spec, mode)
     plans = [LearnerPlan(s.index, s.island.name) for s in slots]
     windows = [WindowedClock(spec, plan) for plan in plans]
     clock = [0.0] * len(slots)
